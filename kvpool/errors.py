@@ -1,0 +1,82 @@
+"""Typed errors of the pool, each with an HTTP-style status.
+
+Conventions (shared by every layer):
+- a miss is ``None``, never an exception;
+- a full pool or an exhausted quota is a typed error with a status (507, 429) that callers can
+  turn into back-pressure;
+- bad input is a ``BadRequest`` (also a ``ValueError``) whose message names the fix;
+- a caller breaking the contract is a ``RuntimeError``; internal invariants are ``assert``s.
+"""
+
+from __future__ import annotations
+
+
+class KvPoolError(Exception):
+    """Base of every error the pool raises on purpose."""
+
+    status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.status}] {self.message}"
+
+
+class BadRequest(KvPoolError, ValueError):
+    """The input is malformed; the message says what to change."""
+
+    status = 400
+
+
+class LayoutMismatch(BadRequest):
+    """A payload's dtype, shape or size does not match the KV spec it is stored under."""
+
+    status = 400
+
+
+class UnknownTenant(KvPoolError, KeyError):
+    """The tenant was never registered."""
+
+    status = 404
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(
+            f"unknown tenant {tenant!r}: register it first (TenantRegistry.add or `kvpool tenants`)"
+        )
+        self.tenant = tenant
+
+
+class ChunkTooLarge(BadRequest):
+    """A payload is larger than one page of the store."""
+
+    status = 413
+
+
+class QuotaExceeded(KvPoolError):
+    """A tenant's write would take its usage past its byte quota."""
+
+    status = 429
+
+    def __init__(self, tenant: str, usage: int, limit: int, requested: int) -> None:
+        super().__init__(
+            f"tenant {tenant!r} is over quota: usage {usage} B + {requested} B requested "
+            f"> limit {limit} B; free some of its chunks or raise its quota"
+        )
+        self.tenant = tenant
+        self.usage = usage
+        self.limit = limit
+        self.requested = requested
+
+
+class PoolFull(KvPoolError):
+    """No page can be freed: every resident chunk is leased (being read or in flight)."""
+
+    status = 507
+
+
+class Unavailable(KvPoolError):
+    """A remote part of the pool (a shard, the index) did not answer in time."""
+
+    status = 503

@@ -1,0 +1,124 @@
+"""LocalPool: the chunk store seen through a KV spec, in tokens and KV tensors.
+
+This is what an engine adapter talks to on one node: it turns a prompt's tokens into chunk keys
+in the tenant's namespace, checks KV tensors against the spec before storing them, and answers
+"how much of this prompt is cached" as a leading run of whole chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.errors import LayoutMismatch
+from kvpool.keys import ChunkKey, Namespace, chunk_keys
+from kvpool.spec import KVSpec
+from kvpool.store import ChunkStore, Lease, StoreConfig
+from kvpool.tenants import SHARED_SALT, TenantRegistry
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def torch_dtype(spec: KVSpec) -> torch.dtype:
+    return _TORCH_DTYPES[spec.dtype]
+
+
+class LocalPool:
+    """A single-node pool for one KV spec (one model layout)."""
+
+    def __init__(self, spec: KVSpec, store: ChunkStore) -> None:
+        if spec.storage_format == "raw" and spec.chunk_nbytes > store.page_bytes:
+            raise LayoutMismatch(
+                f"a chunk of {spec.model_id} takes {spec.chunk_nbytes} B but the store's pages hold "
+                f"{store.page_bytes} B: create the store with page_bytes >= spec.chunk_nbytes"
+            )
+        self.spec = spec
+        self.store = store
+        self._fingerprint = spec.fingerprint()
+
+    @classmethod
+    def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, **config) -> "LocalPool":
+        """A pool whose pages are exactly one chunk of ``spec``."""
+        return cls(spec, ChunkStore(StoreConfig(spec.chunk_nbytes, dram_chunks, **config), tenants))
+
+    @property
+    def tenants(self) -> TenantRegistry:
+        return self.store.tenants
+
+    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
+                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
+        salt = SHARED_SALT if shared else self.tenants.get(tenant).salt
+        return Namespace(salt, self._fingerprint, adapter_id, tuple(extra_keys))
+
+    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
+             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
+        ns = self.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
+        return chunk_keys(tokens, ns, self.spec.chunk_tokens)
+
+    def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Tokens covered by the leading run of resident chunks."""
+        n = 0
+        for present in self.store.contains_many(keys, tenant):
+            if not present:
+                break
+            n += 1
+        return n * self.spec.chunk_tokens
+
+    def check_chunk(self, kv: torch.Tensor) -> None:
+        """Raises LayoutMismatch unless ``kv`` is one whole raw chunk of this spec."""
+        spec = self.spec
+        want_dtype = torch_dtype(spec)
+        if not isinstance(kv, torch.Tensor):
+            raise LayoutMismatch(f"a KV chunk must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dtype != want_dtype:
+            raise LayoutMismatch(f"KV chunk dtype {kv.dtype} does not match the spec's {want_dtype}: convert it first")
+        if tuple(kv.shape) != spec.chunk_shape:
+            if kv.dim() == 5 and kv.shape[2] < spec.chunk_tokens and tuple(kv.shape[:2]) + tuple(kv.shape[3:]) == (
+                spec.chunk_shape[:2] + spec.chunk_shape[3:]
+            ):
+                raise LayoutMismatch(
+                    f"partial chunk of {kv.shape[2]} tokens: only whole chunks of {spec.chunk_tokens} tokens are stored"
+                )
+            raise LayoutMismatch(
+                f"KV chunk shape {tuple(kv.shape)} does not match the spec's [layers, 2, chunk_tokens, "
+                f"kv_heads, head_dim] = {spec.chunk_shape}"
+            )
+
+    def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *,
+             shared: bool = False) -> int:
+        """Stores whole chunks (``[layers, 2, chunk_tokens, kv_heads, head_dim]`` each) under their
+        keys; returns how many were new. Everything is validated before anything is written."""
+        if len(chunks) > len(keys):
+            raise LayoutMismatch(f"{len(chunks)} chunks but only {len(keys)} keys: only whole chunks are keyed")
+        for c in chunks:
+            self.check_chunk(c)
+        payloads = [c.detach().cpu().contiguous() for c in chunks]
+        return sum(self.store.put_many(list(keys[: len(chunks)]), payloads, tenant, shared=shared))
+
+    def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
+        """The leading run of chunks that are resident and verify; each shaped like the spec."""
+        out: list[torch.Tensor] = []
+        dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
+        m = self.store.metrics
+        for key in keys:
+            buf = torch.empty(shape, dtype=dtype)
+            if self.store.get(key, tenant, out=buf) is None:
+                break
+            out.append(buf)
+        hit_tokens = len(out) * self.spec.chunk_tokens
+        if hit_tokens:
+            m.hits_tokens.inc(hit_tokens, tenant)
+        if len(keys) > len(out):
+            m.misses_tokens.inc((len(keys) - len(out)) * self.spec.chunk_tokens, tenant)
+        return out
+
+    def lease(self, tenant: str, keys: Sequence[ChunkKey]) -> Lease:
+        """Pins a request's chunks while it is in flight."""
+        return self.store.lease(keys, tenant)

@@ -1,0 +1,111 @@
+"""Slabs: one preallocated buffer of fixed-size pages per tier.
+
+- ``dram``: anonymous memory, pinned through torch when CUDA is present (so copies to the GPU
+  are DMA), or a file under /dev/shm when a same-node client must map it;
+- ``disk``: a memory-mapped file on local disk (sparse until written; unlinked at once so a
+  crash leaves nothing behind).
+Pages are numpy views: slicing costs no copy and no allocation beyond the view object.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from kvpool.errors import BadRequest
+
+MAX_PAGE_BYTES = 1 << 34  # 16 GiB: larger than any sane chunk; catches unit mistakes
+
+
+def _check_sizes(tier: str, page_bytes: int, num_pages: int) -> int:
+    for name, v in (("page_bytes", page_bytes), ("num_pages", num_pages)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise BadRequest(f"{tier} tier: {name} must be an int, got {type(v).__name__}")
+    if page_bytes <= 0 or page_bytes > MAX_PAGE_BYTES:
+        raise BadRequest(f"{tier} tier: page_bytes must be in 1..{MAX_PAGE_BYTES}, got {page_bytes}")
+    if num_pages < 0:
+        raise BadRequest(f"{tier} tier: num_pages must be >= 0, got {num_pages}")
+    return int(page_bytes) * int(num_pages)
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Slab:
+    """``num_pages`` pages of ``page_bytes`` each in one contiguous uint8 buffer."""
+
+    def __init__(self, tier: str, page_bytes: int, num_pages: int, buf: np.ndarray, closer=None) -> None:
+        assert buf.dtype == np.uint8 and buf.shape == (page_bytes * num_pages,)
+        self.tier = tier
+        self.page_bytes = page_bytes
+        self.num_pages = num_pages
+        self.buf = buf
+        self._closer = closer
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.shape[0]
+
+    def page(self, i: int) -> np.ndarray:
+        pb = self.page_bytes
+        return self.buf[i * pb : (i + 1) * pb]
+
+    def close(self) -> None:
+        closer, self._closer = self._closer, None
+        self.buf = np.empty(0, dtype=np.uint8)
+        if closer is not None:
+            closer()
+
+    @classmethod
+    def dram(cls, page_bytes: int, num_pages: int, pin: bool | None = None) -> "Slab":
+        total = _check_sizes("dram", page_bytes, num_pages)
+        phys = _physical_memory()
+        if total > phys:
+            raise BadRequest(
+                f"dram tier of {num_pages} x {page_bytes} B = {total} B exceeds this machine's "
+                f"{phys} B of memory: lower dram_pages"
+            )
+        if pin is None or pin:
+            import torch  # torch is a core dependency; only pinning needs it
+
+            if torch.cuda.is_available():
+                t = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+                return cls("dram", page_bytes, num_pages, t.numpy(), closer=lambda: t)
+            if pin:
+                raise BadRequest("pin_memory=True needs CUDA; leave it unset to pin only when a GPU is present")
+        return cls("dram", page_bytes, num_pages, np.empty(total, dtype=np.uint8))
+
+    @classmethod
+    def mapped_file(cls, tier: str, directory: str, page_bytes: int, num_pages: int) -> "Slab":
+        total = _check_sizes(tier, page_bytes, num_pages)
+        if not os.path.isdir(directory):
+            raise BadRequest(f"{tier} tier: directory {directory!r} does not exist: create it or pick another")
+        free = shutil.disk_usage(directory).free
+        if total > free:
+            raise BadRequest(
+                f"{tier} tier of {total} B does not fit in the {free} B free under {directory!r}: "
+                f"lower num_pages or pick another directory"
+            )
+        fd, path = tempfile.mkstemp(prefix="kvpool-", suffix=".kvslab", dir=directory)
+        try:
+            os.ftruncate(fd, max(total, 1))
+            mm = mmap.mmap(fd, max(total, 1))
+        finally:
+            os.close(fd)
+            os.unlink(path)  # NOTE: the mapping keeps the file alive; a crash leaves nothing behind
+        buf = np.frombuffer(mm, dtype=np.uint8)[:total]
+
+        def close() -> None:
+            nonlocal buf
+            del buf
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
+                pass
+
+        return cls(tier, page_bytes, num_pages, buf, closer=close)

@@ -1,0 +1,109 @@
+"""Tenants: who owns a chunk, what namespace its keys live in, and how many bytes it may hold.
+
+A tenant's salt enters every one of its keys (kvpool.keys.Namespace), so two tenants sending the
+same prompt derive different keys and never meet in the pool. A prefix that should be shared on
+purpose (a public system prompt) is keyed under ``SHARED_SALT`` and stored with ``shared=True``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.errors import BadRequest, QuotaExceeded, UnknownTenant
+
+SHARED_SALT = b"kvpool/shared"
+UNLIMITED = 2**62
+
+PRIORITY_CLASSES = ("low", "normal", "high")
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A tenant of the pool. ``salt`` defaults to the tenant id; set a secret one for isolation
+    that holds even against someone who knows the tenant's name and prompts."""
+
+    id: str
+    salt: bytes = b""
+    quota_bytes: int = UNLIMITED
+    priority: str = "normal"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id or len(self.id) > 128:
+            raise BadRequest(f"tenant id must be a non-empty string of at most 128 chars, got {self.id!r}")
+        if not isinstance(self.quota_bytes, int) or self.quota_bytes < 0:
+            raise BadRequest(f"tenant {self.id!r}: quota_bytes must be an int >= 0, got {self.quota_bytes!r}")
+        if self.priority not in PRIORITY_CLASSES:
+            raise BadRequest(f"tenant {self.id!r}: priority must be one of {PRIORITY_CLASSES}, got {self.priority!r}")
+        if self.salt == SHARED_SALT:
+            raise BadRequest(f"tenant {self.id!r}: the shared salt is reserved; pick another salt")
+        if not self.salt:
+            object.__setattr__(self, "salt", b"tenant/" + self.id.encode())
+
+
+class TenantRegistry:
+    """Registered tenants and their byte usage, indexed by a small int for the hot path."""
+
+    def __init__(self, tenants: list[Tenant] | tuple[Tenant, ...] = ()) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[str, int] = {}
+        self._tenants: list[Tenant] = []
+        self._usage = np.zeros(16, dtype=np.int64)
+        for t in tenants:
+            self.add(t)
+
+    def add(self, tenant: Tenant) -> int:
+        """Registers (or updates the quota and priority of) a tenant; returns its index."""
+        with self._lock:
+            idx = self._by_id.get(tenant.id)
+            if idx is not None:
+                if self._tenants[idx].salt != tenant.salt:
+                    raise BadRequest(
+                        f"tenant {tenant.id!r} is registered with another salt; a salt cannot change "
+                        "while the tenant has chunks (its keys would change)"
+                    )
+                self._tenants[idx] = tenant
+                return idx
+            idx = len(self._tenants)
+            if idx == self._usage.shape[0]:
+                self._usage = np.concatenate([self._usage, np.zeros_like(self._usage)])
+            self._tenants.append(tenant)
+            self._by_id[tenant.id] = idx
+            return idx
+
+    def index(self, tenant_id: str) -> int:
+        idx = self._by_id.get(tenant_id)
+        if idx is None:
+            raise UnknownTenant(tenant_id)
+        return idx
+
+    def get(self, tenant_id: str) -> Tenant:
+        return self._tenants[self.index(tenant_id)]
+
+    def by_index(self, idx: int) -> Tenant:
+        return self._tenants[idx]
+
+    def __iter__(self):
+        return iter(list(self._tenants))
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def usage(self, tenant_id: str) -> int:
+        return int(self._usage[self.index(tenant_id)])
+
+    def charge(self, idx: int, nbytes: int) -> None:
+        """Adds ``nbytes`` to a tenant's usage, or raises QuotaExceeded (429) and changes nothing."""
+        with self._lock:
+            t = self._tenants[idx]
+            used = int(self._usage[idx])
+            if used + nbytes > t.quota_bytes:
+                raise QuotaExceeded(t.id, used, t.quota_bytes, nbytes)
+            self._usage[idx] = used + nbytes
+
+    def refund(self, idx: int, nbytes: int) -> None:
+        with self._lock:
+            self._usage[idx] -= nbytes
+            assert self._usage[idx] >= 0, (self._tenants[idx].id, int(self._usage[idx]))

@@ -1,0 +1,46 @@
+import pytest
+
+from kvpool import BadRequest, KVSpec
+
+
+def test_llama3_8b_chunk_is_32_mib():
+    spec = KVSpec("meta-llama/Llama-3-8B", 32, 8, 128, dtype="bfloat16", chunk_tokens=256)
+    assert spec.chunk_shape == (32, 2, 256, 8, 128)
+    assert spec.chunk_nbytes == 32 << 20
+
+
+def test_fingerprint_is_stable_and_distinguishes_every_field():
+    base = KVSpec("m", 2, 2, 64)
+    assert base.fingerprint() == KVSpec("m", 2, 2, 64).fingerprint()
+    variants = [
+        KVSpec("m2", 2, 2, 64), KVSpec("m", 3, 2, 64), KVSpec("m", 2, 4, 64), KVSpec("m", 2, 2, 128),
+        KVSpec("m", 2, 2, 64, dtype="float16"), KVSpec("m", 2, 2, 64, block_size=32),
+        KVSpec("m", 2, 2, 64, chunk_tokens=512), KVSpec("m", 2, 2, 64, storage_format="int8"),
+        KVSpec("m", 2, 2, 64, model_revision="abc"),
+    ]
+    fps = {v.fingerprint() for v in variants} | {base.fingerprint()}
+    assert len(fps) == len(variants) + 1
+
+
+def test_round_trip_through_dict():
+    spec = KVSpec("m", 2, 2, 64, dtype="float16")
+    assert KVSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(BadRequest, match="unknown KVSpec fields"):
+        KVSpec.from_dict({**spec.to_dict(), "heads": 3})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(head_dim=-1), "head_dim"),
+        (dict(dtype="int3"), "dtype"),
+        (dict(storage_format="zip"), "storage_format"),
+        (dict(block_size=16, chunk_tokens=100), "multiple"),
+        (dict(model_id=""), "model_id"),
+    ],
+)
+def test_bad_specs_name_the_fix(kwargs, match):
+    args = dict(model_id="m", num_layers=2, num_kv_heads=2, head_dim=64) | kwargs
+    with pytest.raises(BadRequest, match=match):
+        KVSpec(**args)

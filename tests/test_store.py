@@ -1,0 +1,262 @@
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool import (
+    BadRequest, ChunkKey, ChunkTooLarge, PoolFull, QuotaExceeded, Tenant, UnknownTenant,
+)
+from conftest import make_keys, make_store, payload, snapshot
+
+
+def test_put_get_round_trip_and_batched_forms():
+    s = make_store()
+    keys = make_keys(3)
+    assert s.put_many(keys, [payload(i) for i in range(3)], "a") == [True, True, True]
+    assert s.put(keys[0], payload(0), "a") is False  # already resident: not stored twice
+    got = s.get_many(keys, "a")
+    for i, g in enumerate(got):
+        assert np.array_equal(g, payload(i))
+    assert s.contains_many(keys + make_keys(1, seed=9), "a") == [True, True, True, False]
+    assert s.remove_many(keys[:2], "a") == 2
+    assert s.get_many(keys, "a")[:2] == [None, None]
+    assert s.tenants.usage("a") == 1000
+
+
+def test_get_into_caller_buffer_of_any_dtype():
+    s = make_store()
+    k = make_keys(1)[0]
+    src = torch.arange(250, dtype=torch.float32)
+    s.put(k, src, "a")
+    out = torch.empty(250, dtype=torch.float32)
+    s.get(k, "a", out=out)
+    assert torch.equal(out, src)
+
+
+def test_freed_pages_are_reused():
+    s = make_store(dram_pages=2)
+    k = make_keys(4)
+    s.put(k[0], payload(0), "a")
+    s.put(k[1], payload(1), "a")
+    assert s.locate(k[0]) == ("dram", 0) and s.locate(k[1]) == ("dram", 1)
+    s.remove(k[0], "a")
+    s.put(k[2], payload(2), "a")
+    assert s.locate(k[2]) == ("dram", 0)
+    assert np.array_equal(s.get(k[2], "a"), payload(2))
+
+
+def test_lru_eviction_order_without_disk():
+    s = make_store(dram_pages=3)
+    k = make_keys(5)
+    for i in range(3):
+        s.put(k[i], payload(i), "a")
+    s.get(k[0], "a")  # k1 is now the least recently used
+    s.put(k[3], payload(3), "a")
+    assert s.contains_many(k[:4], "a") == [True, False, True, True]
+    s.put(k[4], payload(4), "a")
+    assert s.contains_many(k, "a") == [True, False, False, True, True]
+    assert s.metrics.evictions.get("dram") == 2
+    assert s.tenants.usage("a") == 3000
+
+
+def test_corrupted_byte_is_a_miss_and_the_entry_is_dropped():
+    s = make_store()
+    k = make_keys(2)
+    s.put_many(k, [payload(0), payload(1)], "a")
+    tier, page = s.locate(k[0])
+    s.tier(tier).slab.page(page)[500] ^= 0x01
+    assert s.get(k[0], "a") is None
+    assert not s.contains(k[0], "a")
+    assert s.metrics.checksum_failures.get("dram") == 1
+    assert s.tenants.usage("a") == 1000  # the dropped chunk is refunded
+    assert np.array_equal(s.get(k[1], "a"), payload(1))  # the neighbour is untouched
+
+
+def test_corruption_is_caught_by_the_zero_copy_read_too():
+    s = make_store()
+    k = make_keys(1)[0]
+    s.put(k, payload(3), "a")
+    with s.read(k, "a") as view:
+        assert np.array_equal(view.data, payload(3))
+        assert not view.data.flags.writeable
+    tier, page = s.locate(k)
+    s.tier(tier).slab.page(page)[0] ^= 0xFF
+    assert s.read(k, "a") is None
+    assert not s.contains(k, "a")
+
+
+def test_leased_chunks_are_never_evicted():
+    s = make_store(dram_pages=2)
+    k = make_keys(4)
+    s.put_many(k[:2], [payload(0), payload(1)], "a")
+    lease = s.lease(k[:1], "a")  # k0 is the LRU chunk, but leased
+    s.put(k[2], payload(2), "a")
+    assert s.contains_many(k[:3], "a") == [True, False, True]
+    assert s.metrics.lease_waits.get("dram") == 1
+    lease2 = s.lease([k[2]], "a")
+    with pytest.raises(PoolFull) as e:
+        s.put(k[3], payload(3), "a")
+    assert e.value.status == 507
+    lease.release()
+    lease2.release()
+    s.put(k[3], payload(3), "a")
+    assert s.contains_many(k, "a") == [False, False, True, True]
+
+
+def test_remove_while_leased_frees_at_release():
+    s = make_store()
+    k = make_keys(1)[0]
+    s.put(k, payload(1), "a")
+    view = s.read(k, "a")
+    assert s.remove(k, "a")
+    assert not s.contains(k, "a")
+    assert np.array_equal(view.data, payload(1))  # still readable by the lease holder
+    assert s.stats()["tiers"]["dram"]["pages_used"] == 1
+    view.release()
+    assert s.stats()["tiers"]["dram"]["pages_used"] == 0
+    assert s.tenants.usage("a") == 0
+
+
+def test_quota_exceeded_is_429_names_tenant_and_changes_nothing():
+    s = make_store(dram_pages=8, tenants=[Tenant("small", quota_bytes=2500), Tenant("b")])
+    k = make_keys(4)
+    s.put_many(k[:2], [payload(0), payload(1)], "small")
+    before = snapshot(s)
+    with pytest.raises(QuotaExceeded) as e:
+        s.put_many(k[2:], [payload(2), payload(3)], "small")
+    assert e.value.status == 429
+    assert "'small'" in str(e.value) and "2000" in str(e.value) and "2500" in str(e.value)
+    assert snapshot(s) == before
+    assert s.metrics.rejected_quota.get("small") == 1
+
+
+def test_demotion_to_disk_and_promotion_back_keep_identical_bytes(tmp_disk):
+    s = make_store(dram_pages=2, disk_pages=4, disk_dir=tmp_disk)
+    k = make_keys(5)
+    for i in range(4):
+        s.put(k[i], payload(i), "a")
+    assert [s.locate(x)[0] for x in k[:4]] == ["disk", "disk", "dram", "dram"]
+    assert s.metrics.evictions.total() == 0 and s.metrics.demotions.get("dram") == 2
+    got = s.get(k[0], "a")  # a disk hit: promoted, and the dram LRU (k2) demoted
+    assert np.array_equal(got, payload(0))
+    assert s.locate(k[0])[0] == "dram" and s.locate(k[2])[0] == "disk"
+    assert s.metrics.promotions.get("dram") == 1
+    for i in range(4):
+        assert np.array_equal(s.get(k[i], "a"), payload(i))
+    assert s.tenants.usage("a") == 4000
+
+
+def test_disk_tier_drops_its_lru_when_full(tmp_disk):
+    s = make_store(dram_pages=1, disk_pages=2, disk_dir=tmp_disk)
+    k = make_keys(4)
+    for i in range(4):
+        s.put(k[i], payload(i), "a")
+    assert s.contains_many(k, "a") == [False, True, True, True]
+    assert s.metrics.evictions.get("disk") == 1
+
+
+def test_corruption_on_disk_is_caught_at_promotion(tmp_disk):
+    s = make_store(dram_pages=1, disk_pages=2, disk_dir=tmp_disk)
+    k = make_keys(2)
+    s.put_many(k, [payload(0), payload(1)], "a")
+    tier, page = s.locate(k[0])
+    assert tier == "disk"
+    s.tier("disk").slab.page(page)[10] ^= 0x10
+    assert s.get(k[0], "a") is None
+    assert not s.contains(k[0], "a")
+    assert s.metrics.checksum_failures.get("disk") == 1
+
+
+def test_tenants_cannot_see_each_others_chunks_unless_shared():
+    s = make_store()
+    k = make_keys(2)
+    s.put(k[0], payload(0), "a")
+    s.put(k[1], payload(1), "a", shared=True)
+    assert s.get(k[0], "b") is None and not s.contains(k[0], "b") and s.read(k[0], "b") is None
+    assert len(s.lease([k[0]], "b")) == 0
+    assert s.remove(k[0], "b") is False
+    assert np.array_equal(s.get(k[1], "b"), payload(1))
+    assert s.remove(k[1], "b") is False  # only the owner removes a shared chunk
+    assert s.tenants.usage("b") == 0 and s.tenants.usage("a") == 2000
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda s, k: s.put(k, np.zeros(2000, np.uint8), "a"), ChunkTooLarge, "page size"),
+        (lambda s, k: s.put(k, np.zeros(0, np.uint8), "a"), BadRequest, "empty"),
+        (lambda s, k: s.put(k, np.zeros((4, 8), np.uint8)[:, ::2], "a"), BadRequest, "contiguous"),
+        (lambda s, k: s.put(k, "text", "a"), BadRequest, "torch tensor, numpy array or bytes"),
+        (lambda s, k: s.put(bytes(k), payload(0), "a"), BadRequest, "ChunkKey"),
+        (lambda s, k: s.put(k, payload(0), "nobody"), UnknownTenant, "register"),
+        (lambda s, k: s.get(k, "nobody"), UnknownTenant, "nobody"),
+        (lambda s, k: s.put_many([k, k], [payload(0)], "a"), BadRequest, "2 keys but 1"),
+        (lambda s, k: s.put_many([k, "zz"], [payload(0), payload(1)], "a"), BadRequest, "ChunkKey"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_changes_nothing(call, exc, match):
+    s = make_store()
+    s.put(make_keys(1, seed=5)[0], payload(9), "a")
+    before = snapshot(s)
+    with pytest.raises(exc, match=match):
+        call(s, make_keys(1)[0])
+    assert snapshot(s) == before
+
+
+def test_get_into_too_small_buffer_is_an_error_not_a_corruption():
+    s = make_store()
+    k = make_keys(1)[0]
+    s.put(k, payload(0), "a")
+    with pytest.raises(BadRequest, match="holds 10 B"):
+        s.get(k, "a", out=np.empty(10, np.uint8))
+    assert np.array_equal(s.get(k, "a"), payload(0))
+    assert s.metrics.checksum_failures.total() == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(page_bytes=-1), "page_bytes"),
+        (dict(dram_pages=-3), "num_pages"),
+        (dict(page_bytes=1 << 20, dram_pages=1 << 30), "exceeds this machine"),
+        (dict(disk_pages=2), "disk_dir"),
+        (dict(disk_pages=2, disk_dir="/no/such/dir"), "does not exist"),
+        (dict(page_bytes=1 << 30, disk_pages=1 << 20, disk_dir="/tmp"), "does not fit"),
+    ],
+)
+def test_bad_store_config_names_the_fix(kwargs, match):
+    with pytest.raises(BadRequest, match=match):
+        make_store(**kwargs)
+
+
+def test_concurrent_readers_and_writers_never_see_wrong_bytes():
+    s = make_store(page_bytes=4096, dram_pages=8)
+    keys = make_keys(32)
+    errors = []
+
+    def writer(offset):
+        for r in range(20):
+            for i in range(offset, 32, 2):
+                try:
+                    s.put(keys[i], payload(i, 4096), "a")
+                except PoolFull:
+                    pass
+
+    def reader():
+        for r in range(40):
+            for i in range(32):
+                got = s.get(keys[i], "a")
+                if got is not None and not np.array_equal(got, payload(i, 4096)):
+                    errors.append(i)
+
+    threads = [threading.Thread(target=writer, args=(o,)) for o in (0, 1)] + [
+        threading.Thread(target=reader) for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert s.tenants.usage("a") == 4096 * len(s)
+    assert s.metrics.checksum_failures.total() == 0
