@@ -1,1 +1,4 @@
-"""placeholder"""
+"""Engine connectors (vLLM, SGLang, transformers): the only place that imports an engine.
+
+Installed as ``kvpool.connectors``. Empty until the connectors issue.
+"""

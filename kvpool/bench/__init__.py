@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Benchmarks behind ``kvpool bench``: each measures its baseline in the same run."""
