@@ -1,0 +1,231 @@
+"""TieredCache: which chunk lives where. Keys, tiers, prefix links, leases, pins and policies.
+
+This is the metadata half of a chunk store, with no bytes: the store (kvpool.store) drives it
+and moves payloads through its hooks, and the trace simulator (kvpool.sim) drives the very same
+object with no payloads at all. So the eviction decisions the simulator measures are the ones
+the pool makes.
+
+Each resident chunk is a *node* (an id stable while it is resident, even when it moves between
+tiers); a node lives on one *page* of one tier. Prefix links, leases and pins are per node
+(``Residency``), and each tier's policy orders that tier's nodes. Room is made by asking the
+tier's policy for victims: from every tier but the last a victim is demoted to the next tier,
+from the last it is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from kvpool.allocator import PageAllocator
+from kvpool.errors import PoolFull
+from kvpool.policies.base import NO_PARENT, Access, Policy, Residency
+
+
+class CacheHooks:
+    """What the owner of the bytes does when the cache moves or drops a chunk. Defaults: nothing
+    (the simulator)."""
+
+    def move(self, node: int, src_tier: int, src_page: int, dst_tier: int, dst_page: int) -> bool:
+        """Copies a chunk's bytes to another page; False if they failed verification."""
+        return True
+
+    def dropped(self, node: int, tier: int, page: int, reason: str) -> None:
+        """The chunk on ``node`` is gone (``reason``: "evicted", "removed", "corrupt")."""
+
+
+PolicyFactory = Callable[[int, Residency, int], Policy]  # (capacity, residency, tier) -> policy
+
+
+class TieredCache:
+    def __init__(self, tier_pages: list[int], make_policy: PolicyFactory, hooks: CacheHooks | None = None) -> None:
+        assert tier_pages and all(n >= 0 for n in tier_pages), tier_pages
+        total = sum(tier_pages)
+        self.tier_pages = list(tier_pages)
+        self.capacity = total
+        self.res = Residency(total)
+        self.hooks = hooks or CacheHooks()
+        self.nodes = PageAllocator(total)
+        self.pages = [PageAllocator(n) for n in tier_pages]
+        self.policies = [make_policy(total, self.res, t) for t in range(len(tier_pages))]
+        for p in self.policies[:-1]:
+            p.drops = False
+        self.node_tier = [0] * total
+        self.node_page = [0] * total
+        self.node_key: list[Hashable | None] = [None] * total
+        self.index: dict[Hashable, int] = {}
+        self.counts = {"evicted": 0, "demoted": 0, "promoted": 0, "refused": 0, "not_admitted": 0}
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def find(self, key: Hashable) -> int | None:
+        return self.index.get(key)
+
+    def leading_run(self, keys: list) -> list[int]:
+        """Nodes of the leading run of resident keys."""
+        out = []
+        index = self.index
+        for k in keys:
+            n = index.get(k)
+            if n is None:
+                break
+            out.append(n)
+        return out
+
+    def tier_used(self, tier: int) -> int:
+        return self.pages[tier].num_used
+
+    # ------------------------------------------------------------------ requests
+
+    def insert(self, key: Hashable, parent: int, position: int, access: Access) -> int | None:
+        """Stores a new chunk in the top tier; its node, or None when the policy does not admit it
+        or nothing can be evicted (the caller stops storing this request: a suffix without its
+        prefix is unreachable). The new node is leased; the caller releases it."""
+        assert key not in self.index, key
+        policy = self.policies[0]
+        if not policy.admit(position, access):
+            self.counts["not_admitted"] += 1
+            return None
+        try:
+            page = self._alloc_page(0)
+        except PoolFull:
+            self.counts["refused"] += 1
+            return None
+        node = self.nodes.alloc()
+        assert node is not None
+        self.node_tier[node] = 0
+        self.node_page[node] = page
+        self.node_key[node] = key
+        self.index[key] = node
+        self.res.add(node, parent, position, access.request_id, access.tenant, key)
+        self.res.leases[node] += 1
+        policy.on_insert(node, position, access)
+        return node
+
+    def access(self, nodes: list[int], access: Access) -> None:
+        """One request touched these resident nodes (root to leaf); each tier's policy hears of
+        its own."""
+        if len(self.policies) == 1:
+            self.policies[0].on_access(nodes, access)
+            return
+        by_tier: dict[int, list[int]] = {}
+        for n in nodes:
+            by_tier.setdefault(self.node_tier[n], []).append(n)
+        for t, ns in by_tier.items():
+            self.policies[t].on_access(ns, access)
+
+    def promote(self, node: int) -> bool:
+        """Moves a node of a lower tier to the top tier (a hit there). False when it stays: the top
+        tier cannot make room, or the bytes failed verification (then the node is dropped)."""
+        t = self.node_tier[node]
+        if t == 0:
+            return True
+        res = self.res
+        res.leases[node] += 1  # making room above must not pick it
+        try:
+            page = self._alloc_page(0)
+        except PoolFull:
+            return False
+        finally:
+            res.leases[node] -= 1
+        if not self.hooks.move(node, t, self.node_page[node], 0, page):
+            self.pages[0].free(page)
+            self.drop(node, "corrupt")
+            return False
+        self.policies[t].on_remove(node)
+        self.pages[t].free(self.node_page[node])
+        self.node_tier[node] = 0
+        self.node_page[node] = page
+        self.policies[0].on_insert(node, res.depth[node], None)
+        self.counts["promoted"] += 1
+        return True
+
+    def drop(self, node: int, reason: str) -> None:
+        """Removes a node now (it must not be leased). A non-leaf loses its suffix's links."""
+        res = self.res
+        assert res.leases[node] == 0, node
+        if res.children[node]:
+            res.detach_children(node)
+        t, page = self.node_tier[node], self.node_page[node]
+        self.policies[t].on_remove(node)
+        res.remove(node)
+        self.pages[t].free(page)
+        del self.index[self.node_key[node]]
+        self.node_key[node] = None
+        self.nodes.free(node)
+        self.hooks.dropped(node, t, page, reason)
+
+    def pin(self, node: int) -> bool:
+        return self.policies[self.node_tier[node]].on_pin(node)
+
+    # ------------------------------------------------------------------ room
+
+    def _alloc_page(self, tier: int) -> int:
+        alloc = self.pages[tier]
+        page = alloc.alloc()
+        while page is None:
+            self._make_room(tier)
+            page = alloc.alloc()
+        return page
+
+    def _make_room(self, tier: int, attempts: int = 8) -> None:
+        policy = self.policies[tier]
+        res = self.res
+        last = tier + 1 == len(self.pages)
+        for _ in range(attempts):
+            freed = False
+            for v in policy.victims():
+                if self.node_tier[v] != tier:
+                    break
+                if not policy.can_evict(v):
+                    # A cold prefix with resident suffixes: its suffixes are colder still (every
+                    # use of them used it), so they go first, leaves up.
+                    if not (last and res.movable(v) and res.children[v]):
+                        break
+                    v = res.leaf_under(v)
+                    if v is None or self.node_tier[v] != tier:
+                        break
+                if last:
+                    self.counts["evicted"] += 1
+                    self.drop(v, "evicted")
+                else:
+                    self._demote(v)
+                freed = True
+            if freed:
+                return
+        raise PoolFull(
+            f"tier {tier} is full ({self.tier_pages[tier]} pages) and nothing in it can be evicted: "
+            "every chunk is leased, pinned or a prefix of one that is"
+        )
+
+    def _demote(self, node: int) -> None:
+        t = self.node_tier[node]
+        res = self.res
+        res.leases[node] += 1
+        try:
+            page = self._alloc_page(t + 1)
+        except PoolFull:
+            res.leases[node] -= 1
+            if res.children[node] or res.pinned[node]:
+                raise
+            self.counts["evicted"] += 1
+            self.drop(node, "evicted")  # the lower tier is all leased: drop instead of demoting
+            return
+        res.leases[node] -= 1
+        if not self.hooks.move(node, t, self.node_page[node], t + 1, page):
+            self.pages[t + 1].free(page)
+            self.drop(node, "corrupt")
+            return
+        self.policies[t].on_remove(node)
+        self.pages[t].free(self.node_page[node])
+        self.node_tier[node] = t + 1
+        self.node_page[node] = page
+        self.policies[t + 1].on_insert(node, res.depth[node], None)
+        self.counts["demoted"] += 1
+
+
+def parent_of(nodes_before: list[int]) -> int:
+    """The parent node for the next chunk of a request whose resident run is ``nodes_before``."""
+    return nodes_before[-1] if nodes_before else NO_PARENT

@@ -1,0 +1,148 @@
+"""Replaying requests through a policy, an infinite cache and Belady's offline optimum.
+
+Hit rate, as everywhere in kvpool: the fraction of requested blocks served from the cache,
+counting only the leading run of resident blocks of each request (a block after a miss is
+recomputed anyway). After the lookup the policy decides what of the request to store.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+
+from kvpool.cache import TieredCache
+from kvpool.policies import NO_PARENT, Access, make_policy
+from kvpool.sim.trace import SimRequest
+
+
+def _tokens(req: SimRequest, nblocks: int) -> int:
+    return sum(req.block_tokens(i) for i in range(nblocks))
+
+
+def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int] | None = None,
+           on_progress: Callable[[int], None] | None = None, **params) -> dict:
+    """Runs ``trace`` through a TieredCache of ``capacity`` blocks (or the given tier sizes, top
+    first) whose every tier uses ``policy``."""
+    sizes = tiers or [capacity]
+    cache = TieredCache(sizes, lambda cap, res, t: make_policy(policy, cap, res, **params))
+    res = cache.res
+    hits = total = hit_tok = tot_tok = top_hits = 0
+    t0 = time.perf_counter()
+    for rid, req in enumerate(trace):
+        blocks = req.blocks
+        run = cache.leading_run(blocks)
+        h = len(run)
+        hits += h
+        total += len(blocks)
+        hit_tok += _tokens(req, h)
+        tot_tok += req.input_tokens
+        leases = res.leases
+        for n in run:
+            leases[n] += 1  # the request is in flight: its chunks stay
+        if len(sizes) > 1:
+            for n in run:
+                if cache.node_tier[n] == 0:
+                    top_hits += 1
+                else:
+                    cache.promote(n)
+        acc = Access(rid, req.time_s, len(blocks), req.full_blocks, h, req.tenant)
+        nodes = list(run)
+        parent = run[-1] if run else NO_PARENT
+        insert = cache.insert
+        for pos in range(h, len(blocks)):
+            n = insert(blocks[pos], parent, pos, acc)
+            if n is None:
+                break
+            nodes.append(n)
+            parent = n
+        cache.access(nodes, acc)
+        for n in nodes:
+            leases[n] -= 1
+        if on_progress is not None and rid % 1000 == 999:
+            on_progress(1000)
+    row = {
+        "policy": policy,
+        "capacity": capacity,
+        "hit_rate": hits / max(total, 1),
+        "token_hit_rate": hit_tok / max(tot_tok, 1),
+        "requests": len(trace),
+        "blocks": total,
+        "seconds": time.perf_counter() - t0,
+        **{k: v for k, v in cache.counts.items()},
+    }
+    if len(sizes) > 1:
+        row["tiers"] = sizes
+        row["top_tier_hit_rate"] = top_hits / max(total, 1)
+    stats = cache.policies[0].stats()
+    if stats:
+        row["policy_stats"] = stats
+    return row
+
+
+def infinite(trace: list[SimRequest]) -> dict:
+    seen: set[int] = set()
+    hits = total = hit_tok = tot_tok = 0
+    for req in trace:
+        h = 0
+        for b in req.blocks:
+            if b not in seen:
+                break
+            h += 1
+        hits += h
+        total += len(req.blocks)
+        hit_tok += _tokens(req, h)
+        tot_tok += req.input_tokens
+        seen.update(req.blocks)
+    return {"policy": "infinite", "hit_rate": hits / max(total, 1), "token_hit_rate": hit_tok / max(tot_tok, 1)}
+
+
+def belady(trace: list[SimRequest], capacity: int) -> dict:
+    """Offline optimum: evict the block whose next use is furthest away, and do not store a block
+    whose next use is further than every resident one's (or that is never used again). Ties go
+    to the deeper block, so a suffix goes before its prefix."""
+    never = 1 << 62
+    next_use: list[list[int]] = [[]] * len(trace)
+    last: dict[int, int] = {}
+    for ri in range(len(trace) - 1, -1, -1):
+        blocks = trace[ri].blocks
+        next_use[ri] = [last.get(b, never) for b in blocks]
+        for b in blocks:
+            last[b] = ri
+    resident: dict[int, int] = {}  # block -> its next use
+    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazily invalidated
+    hits = total = hit_tok = tot_tok = 0
+    for ri, req in enumerate(trace):
+        blocks = req.blocks
+        h = 0
+        for b in blocks:
+            if b not in resident:
+                break
+            h += 1
+        hits += h
+        total += len(blocks)
+        hit_tok += _tokens(req, h)
+        tot_tok += req.input_tokens
+        nu = next_use[ri]
+        for pos, b in enumerate(blocks):
+            t = nu[pos]
+            if b in resident:
+                resident[b] = t
+                heapq.heappush(heap, (-t, -pos, b))
+                continue
+            if t >= never:
+                continue
+            while len(resident) >= capacity:
+                nt, _, vb = heap[0]
+                if resident.get(vb) != -nt:
+                    heapq.heappop(heap)
+                    continue
+                if -nt <= t:
+                    break
+                heapq.heappop(heap)
+                del resident[vb]
+            if len(resident) < capacity:
+                resident[b] = t
+                heapq.heappush(heap, (-t, -pos, b))
+    return {"policy": "belady", "capacity": capacity, "hit_rate": hits / max(total, 1),
+            "token_hit_rate": hit_tok / max(tot_tok, 1)}
