@@ -26,6 +26,21 @@ def _bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sim(args: argparse.Namespace) -> int:
+    from kvpool.sim import run
+
+    caps = run.parse_capacities(args.capacity)
+    policies = run.parse_policies(args.policy)
+    source, reqs = run.load(args.trace, args.workload, args.requests, args.seed)
+    rows = run.simulate(reqs, source, policies, caps, progress=not args.json, with_belady=not args.no_belady)
+    if args.plot:
+        run.plot(rows, args.plot)
+    print(json.dumps(rows, indent=2) if args.json else run.format_table(rows))
+    if args.plot and not args.json:
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -36,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--turns", type=int, default=4)
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=_demo)
+
+    s = sub.add_parser("sim", help="replay a trace or workload through eviction policies")
+    s.add_argument("--trace", help="Mooncake-format jsonl (default: ../shared/data/mooncake/conversation_trace.jsonl)")
+    s.add_argument("--workload", help="generate one instead: chat, rag, agent, tenants")
+    s.add_argument("--capacity", default="1000,4000,16000", help="blocks, comma-separated (default 1000,4000,16000)")
+    s.add_argument("--policy", default="all", help="a name, a comma-separated list, 'default' or 'all'")
+    s.add_argument("--requests", type=int, help="use only the first N requests (or generate N)")
+    s.add_argument("--seed", type=int, default=0, help="seed of a generated workload")
+    s.add_argument("--no-belady", action="store_true", help="skip the offline optimum")
+    s.add_argument("--json", action="store_true", help="rows as JSON")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity")
+    s.set_defaults(func=_sim)
 
     b = sub.add_parser("bench", help="benchmarks, each beside its baseline in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)

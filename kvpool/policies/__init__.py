@@ -16,6 +16,8 @@ _MODULES = (
     "kvpool.policies.request",
     "kvpool.policies.s3fifo",
     "kvpool.policies.adaptive",
+    "kvpool.policies.tiered",
+    "kvpool.policies.importance",
 )
 
 
@@ -30,6 +32,16 @@ def registry() -> dict[str, type[Policy]]:
 
 
 DEFAULT_POLICY = "adaptive"
+
+# Not a policy of one tier but a way to build the cache: HBM -> DRAM -> disk, each tier with its
+# own policy (lru unless told), demoting before dropping and promoting on a hit.
+TIERED_MEMORY = "tiered-memory"
+TIERED_MEMORY_SPLIT = (0.125, 0.375, 0.5)  # shares of the capacity: HBM, DRAM, disk
+
+
+def policy_names() -> list[str]:
+    """Every name `kvpool sim --policy` accepts, the tiered-memory layout included."""
+    return sorted(registry()) + [TIERED_MEMORY]
 
 
 def policy_class(name: str) -> type[Policy]:
@@ -46,4 +58,7 @@ def make_policy(name: str, capacity: int, residency: Residency, **params) -> Pol
     return policy_class(name)(capacity, residency, **params)
 
 
-__all__ = ["NO_PARENT", "Access", "DEFAULT_POLICY", "Policy", "Residency", "make_policy", "policy_class", "registry"]
+__all__ = [
+    "NO_PARENT", "TIERED_MEMORY", "TIERED_MEMORY_SPLIT", "Access", "DEFAULT_POLICY", "Policy", "Residency",
+    "make_policy", "policy_class", "policy_names", "registry",
+]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.cache import TieredCache
-from kvpool.policies import NO_PARENT, Access, make_policy
+from kvpool.policies import NO_PARENT, TIERED_MEMORY, TIERED_MEMORY_SPLIT, Access, make_policy
 from kvpool.sim.trace import SimRequest
 
 
@@ -23,9 +23,16 @@ def _tokens(req: SimRequest, nblocks: int) -> int:
 def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int] | None = None,
            on_progress: Callable[[int], None] | None = None, **params) -> dict:
     """Runs ``trace`` through a TieredCache of ``capacity`` blocks (or the given tier sizes, top
-    first) whose every tier uses ``policy``."""
+    first) whose every tier uses ``policy``. ``tiered-memory`` splits the capacity into HBM, DRAM
+    and disk tiers (``TIERED_MEMORY_SPLIT``) that each run ``tier_policy`` (default lru)."""
+    tier_policy = policy
+    if policy == TIERED_MEMORY:
+        tier_policy = params.pop("tier_policy", "lru")
+        if tiers is None:
+            tiers = [max(1, int(capacity * f)) for f in TIERED_MEMORY_SPLIT[:-1]]
+            tiers.append(max(1, capacity - sum(tiers)))
     sizes = tiers or [capacity]
-    cache = TieredCache(sizes, lambda cap, res, t: make_policy(policy, cap, res, **params))
+    cache = TieredCache(sizes, lambda cap, res, t: make_policy(tier_policy, cap, res, **params))
     res = cache.res
     hits = total = hit_tok = tot_tok = top_hits = 0
     t0 = time.perf_counter()
@@ -55,10 +62,14 @@ def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int]
             if n is None:
                 break
             nodes.append(n)
+            if parent != NO_PARENT and pos > h:
+                leases[parent] -= 1  # written: it may move down a tier now; its child holds it
             parent = n
         cache.access(nodes, acc)
-        for n in nodes:
+        for n in run:
             leases[n] -= 1
+        if len(nodes) > h:
+            leases[nodes[-1]] -= 1
         if on_progress is not None and rid % 1000 == 999:
             on_progress(1000)
     row = {

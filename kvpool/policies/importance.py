@@ -1,0 +1,94 @@
+"""``importance``: evict the chunk whose reuse is worth least.
+
+A chunk's score estimates what keeping it saves:
+
+    score = (1 + hits) / (1 + age / tau)          how likely it comes back (frequency, recency)
+          * (1 + depth * attention_cost)          what recomputing it costs (attention over its prefix)
+          * (0.5 + attention)                     how much the model attends to it, when reported
+          * (1 if prompt else generated_weight)   prefix chunks over generated ones
+
+``age`` counts cache events since the chunk was last used; ``tau`` defaults to the capacity.
+``attention_cost`` (1/48) is the attention-to-MLP FLOP ratio per 512-token chunk of a
+4096-wide model, per chunk of depth. The lowest score of ``sample`` random candidates goes
+(sampled eviction, as Redis does): no heap to keep in order on every hit.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvpool.policies.base import Access, Policy, Residency
+
+
+class ImportancePolicy(Policy):
+    name = "importance"
+    description = "lowest score first: frequency x recency x recompute cost x attention mass"
+
+    def __init__(self, capacity: int, residency: Residency, sample: int = 16, tau: float | None = None,
+                 attention_cost: float = 1 / 48, generated_weight: float = 0.5, seed: int = 0) -> None:
+        super().__init__(capacity, residency)
+        self.sample = sample
+        self.tau = float(tau or max(capacity, 1))
+        self.attention_cost = attention_cost
+        self.generated_weight = generated_weight
+        self.rng = random.Random(seed)
+        self.clock = 0
+        self.hits = [0] * capacity
+        self.last = [0] * capacity
+        self.attention = [0.5] * capacity
+        self.generated = [False] * capacity
+        self.members: list[int] = []  # for O(1) uniform sampling
+        self.pos = [-1] * capacity
+
+    def on_insert(self, slot: int, position: int, access: Access | None) -> None:
+        self.clock += 1
+        self.hits[slot] = 0
+        self.last[slot] = self.clock
+        if access is not None:
+            att = access.attention
+            self.attention[slot] = att[position] if att is not None and position < len(att) else 0.5
+            self.generated[slot] = position >= access.full_blocks
+        self.pos[slot] = len(self.members)
+        self.members.append(slot)
+
+    def on_access(self, slots: list[int], access: Access) -> None:
+        self.clock += 1
+        now = self.clock
+        for s in slots[: access.hit_blocks]:
+            self.hits[s] += 1
+        for s in slots:
+            self.last[s] = now
+
+    def on_remove(self, slot: int) -> None:
+        i = self.pos[slot]
+        last = self.members.pop()
+        if last != slot:
+            self.members[i] = last
+            self.pos[last] = i
+        self.pos[slot] = -1
+
+    def score(self, slot: int) -> float:
+        age = self.clock - self.last[slot]
+        s = (1 + self.hits[slot]) / (1 + age / self.tau)
+        s *= 1 + self.res.depth[slot] * self.attention_cost
+        s *= 0.5 + self.attention[slot]
+        if self.generated[slot]:
+            s *= self.generated_weight
+        return s
+
+    def victims(self) -> list[int]:
+        members, n = self.members, len(self.members)
+        if n == 0:
+            return []
+        movable = self.res.movable
+        best, best_score = None, float("inf")
+        for _ in range(min(self.sample, n) * 2):
+            s = members[self.rng.randrange(n)]
+            if not movable(s):
+                continue
+            sc = self.score(s)
+            if sc < best_score:
+                best, best_score = s, sc
+        if best is None:  # every sample leased or pinned: look at all
+            best = next((s for s in members if movable(s)), None)
+        return [] if best is None else [best]

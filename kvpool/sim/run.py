@@ -1,0 +1,121 @@
+"""`kvpool sim`: policies x capacities on a trace or a generated workload, as rows, a table and a plot."""
+
+from __future__ import annotations
+
+import os
+
+from kvpool.errors import BadRequest
+from kvpool.policies import DEFAULT_POLICY, policy_names
+from kvpool.progress import Progress
+from kvpool.sim.replay import belady, infinite, replay
+from kvpool.sim.trace import SimRequest, load_mooncake
+from kvpool.sim.workloads import generate
+
+DEFAULT_TRACE = os.path.join("..", "shared", "data", "mooncake", "conversation_trace.jsonl")
+
+
+def parse_capacities(text: str) -> list[int]:
+    try:
+        caps = [int(x.replace("_", "").lower().replace("k", "000")) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadRequest(f"--capacity {text!r}: give block counts like 1000,4000,16k") from None
+    if not caps or any(c <= 0 for c in caps):
+        raise BadRequest(f"--capacity {text!r}: every capacity must be a positive number of blocks")
+    return caps
+
+
+def parse_policies(text: str) -> list[str]:
+    names = policy_names()
+    if text == "all":
+        return names
+    out = []
+    for p in text.split(","):
+        p = p.strip()
+        if p == "default":
+            p = DEFAULT_POLICY
+        if p not in names:
+            raise BadRequest(f"unknown policy {p!r}; choose from {names}, 'default' or 'all'")
+        out.append(p)
+    return out
+
+
+def load(trace: str | None, workload: str | None, requests: int | None, seed: int) -> tuple[str, list[SimRequest]]:
+    if trace and workload:
+        raise BadRequest("give --trace or --workload, not both")
+    if workload:
+        return f"workload:{workload}", generate(workload, n_requests=requests or 10000, seed=seed)
+    path = trace or DEFAULT_TRACE
+    return os.path.basename(path), load_mooncake(path, limit=requests)
+
+
+def simulate(reqs: list[SimRequest], source: str, policies: list[str], capacities: list[int],
+             progress: bool = True, with_belady: bool = True) -> list[dict]:
+    rows: list[dict] = []
+    inf = infinite(reqs)
+    ticks = len(policies) * len(capacities) * max(1, len(reqs) // 1000) + (len(capacities) if with_belady else 0)
+    with Progress(ticks, "kvpool sim", enabled=progress) as bar:
+        for cap in capacities:
+            for pol in policies:
+                row = replay(reqs, pol, cap, on_progress=lambda n: bar.advance(n // 1000, note=f"{pol} @ {cap}"))
+                row["source"] = source
+                row["default"] = pol == DEFAULT_POLICY
+                rows.append(row)
+            rows.append({**inf, "capacity": cap, "source": source})
+            if with_belady:
+                rows.append({**belady(reqs, cap), "source": source})
+                bar.advance(1, note=f"belady @ {cap}")
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    caps = sorted({r["capacity"] for r in rows})
+    names = []
+    for r in rows:
+        if r["policy"] not in names:
+            names.append(r["policy"])
+    by = {(r["policy"], r["capacity"]): r for r in rows}
+    head = f"{'policy':<16}" + "".join(f"{f'{c} blocks':>22}" for c in caps)
+    lines = [f"source: {rows[0].get('source', '?')}; hit rate (ratio to lru)", head]
+    for n in names:
+        cells = []
+        for c in caps:
+            r = by.get((n, c))
+            if r is None:
+                cells.append(f"{'-':>22}")
+                continue
+            lru = by.get(("lru", c))
+            ratio = f" (x{r['hit_rate'] / lru['hit_rate']:.2f})" if lru and lru["hit_rate"] > 0 else ""
+            cells.append(f"{r['hit_rate']:>13.2%}{ratio:>9}")
+        label = n + (" *" if any(by.get((n, c), {}).get("default") for c in caps) else "")
+        lines.append(f"{label:<16}" + "".join(cells))
+    lines.append("* the pool's default policy")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = []
+    for r in rows:
+        if r["policy"] not in names:
+            names.append(r["policy"])
+    colors = iter(plt.cm.tab10.colors + plt.cm.Dark2.colors)
+    for n in names:
+        pts = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == n)
+        style = {"infinite": dict(ls=":", color="black"), "belady": dict(ls="--", color="dimgray")}.get(n)
+        style = style or dict(color=next(colors))
+        width = 3 if any(r.get("default") for r in rows if r["policy"] == n) else 1.5
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=width, label=n, **style)
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (blocks)")
+    ax.set_ylabel("block hit rate (leading run)")
+    ax.set_title(f"hit rate vs capacity: {rows[0].get('source', '')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
