@@ -43,7 +43,7 @@ class TieredCache:
         self.tier_pages = list(tier_pages)
         self.capacity = total
         self.res = Residency(total)
-        self.hooks = hooks or CacheHooks()
+        self.hooks = hooks if hooks is not None else CacheHooks()
         self.nodes = PageAllocator(total)
         self.pages = [PageAllocator(n) for n in tier_pages]
         self.policies = [make_policy(total, self.res, t) for t in range(len(tier_pages))]
@@ -79,20 +79,29 @@ class TieredCache:
 
     # ------------------------------------------------------------------ requests
 
-    def insert(self, key: Hashable, parent: int, position: int, access: Access) -> int | None:
+    def insert(self, key: Hashable, parent: int, position: int, access: Access, raise_full: bool = False) -> int | None:
         """Stores a new chunk in the top tier; its node, or None when the policy does not admit it
         or nothing can be evicted (the caller stops storing this request: a suffix without its
-        prefix is unreachable). The new node is leased; the caller releases it."""
+        prefix is unreachable; with ``raise_full`` the latter raises PoolFull). The new node is
+        leased (its bytes are not in place yet); the caller releases it when they are."""
         assert key not in self.index, key
         policy = self.policies[0]
         if not policy.admit(position, access):
             self.counts["not_admitted"] += 1
             return None
+        res = self.res
+        if parent != NO_PARENT:
+            res.children[parent] += 1  # making room must not drop the parent (moving it is fine)
         try:
             page = self._alloc_page(0)
         except PoolFull:
             self.counts["refused"] += 1
+            if raise_full:
+                raise
             return None
+        finally:
+            if parent != NO_PARENT:
+                res.children[parent] -= 1
         node = self.nodes.alloc()
         assert node is not None
         self.node_tier[node] = 0
@@ -142,6 +151,12 @@ class TieredCache:
         self.counts["promoted"] += 1
         return True
 
+    def hide(self, node: int) -> None:
+        """Makes a node unfindable now; it keeps its page until ``drop`` (after its last lease)."""
+        key = self.node_key[node]
+        if key is not None and self.index.get(key) == node:
+            del self.index[key]
+
     def drop(self, node: int, reason: str) -> None:
         """Removes a node now (it must not be leased). A non-leaf loses its suffix's links."""
         res = self.res
@@ -152,7 +167,7 @@ class TieredCache:
         self.policies[t].on_remove(node)
         res.remove(node)
         self.pages[t].free(page)
-        del self.index[self.node_key[node]]
+        self.hide(node)
         self.node_key[node] = None
         self.nodes.free(node)
         self.hooks.dropped(node, t, page, reason)

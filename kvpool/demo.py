@@ -96,7 +96,7 @@ def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool =
             suffix = prefill(r.tokens, hit)
             full = len(keys) - len(loaded)
             new_chunks = [suffix[:, :, i * ct : (i + 1) * ct].contiguous() for i in range(full)]
-            pool.save(r.tenant, keys[len(loaded):], new_chunks)
+            pool.save(r.tenant, keys, new_chunks, start=len(loaded))
             warm = time.perf_counter() - t0
 
             if verify and loaded:

@@ -27,6 +27,11 @@ class Metric:
         assert self.kind == "gauge", f"{self.name} is a {self.kind}; only gauges are set"
         self.values[label_values] = value
 
+    def set_total(self, value: float, *label_values: str) -> None:
+        """Sets a counter kept elsewhere (it only grows there) to its current value."""
+        assert self.kind == "counter", self.name
+        self.values[label_values] = value
+
     def get(self, *label_values: str) -> float:
         return self.values.get(label_values, 0)
 
@@ -47,7 +52,7 @@ _DEFINITIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("demotions", "counter", "chunks moved to a lower tier to make room", ("tier",)),
     ("promotions", "counter", "chunks moved to a higher tier on a hit", ("tier",)),
     ("checksum_failures", "counter", "chunks whose bytes failed verification (served as misses)", ("tier",)),
-    ("lease_waits", "counter", "evictions that skipped a leased chunk", ("tier",)),
+    ("lease_waits", "counter", "eviction candidates passed over because they were leased", ()),
     ("rejected_quota", "counter", "writes refused with 429 (tenant over quota)", ("tenant",)),
     ("rejected_full", "counter", "writes refused with 507 (nothing evictable)", ("tier",)),
     ("bytes", "gauge", "payload bytes resident", ("tier",)),

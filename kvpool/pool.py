@@ -7,12 +7,15 @@ in the tenant's namespace, checks KV tensors against the spec before storing the
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Sequence
 
 import torch
 
 from kvpool.errors import LayoutMismatch
 from kvpool.keys import ChunkKey, Namespace, chunk_keys
+from kvpool.policies import Access
 from kvpool.spec import KVSpec
 from kvpool.store import ChunkStore, Lease, StoreConfig
 from kvpool.tenants import SHARED_SALT, TenantRegistry
@@ -42,6 +45,7 @@ class LocalPool:
         self.spec = spec
         self.store = store
         self._fingerprint = spec.fingerprint()
+        self._requests = itertools.count(1)
 
     @classmethod
     def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, **config) -> "LocalPool":
@@ -92,24 +96,34 @@ class LocalPool:
             )
 
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *,
-             shared: bool = False) -> int:
-        """Stores whole chunks (``[layers, 2, chunk_tokens, kv_heads, head_dim]`` each) under their
-        keys; returns how many were new. Everything is validated before anything is written."""
-        if len(chunks) > len(keys):
-            raise LayoutMismatch(f"{len(chunks)} chunks but only {len(keys)} keys: only whole chunks are keyed")
+             start: int = 0, shared: bool = False) -> int:
+        """Stores the chunks of ``keys[start:]`` (``[layers, 2, chunk_tokens, kv_heads, head_dim]``
+        each) and ends the request: the policy hears once of all its chunks. Returns how many were
+        stored. Everything is validated before anything is written."""
+        if start < 0 or start + len(chunks) > len(keys):
+            raise LayoutMismatch(
+                f"{len(chunks)} chunks from position {start} but only {len(keys)} keys: only whole chunks are keyed"
+            )
         for c in chunks:
             self.check_chunk(c)
         payloads = [c.detach().cpu().contiguous() for c in chunks]
-        return sum(self.store.put_many(list(keys[: len(chunks)]), payloads, tenant, shared=shared))
+        n = len(keys)
+        access = Access(next(self._requests), time.monotonic(), n, n, start)
+        parent = keys[start - 1] if start else None
+        stored = self.store.put_many(list(keys[start : start + len(chunks)]), payloads, tenant, shared=shared,
+                                     parent=parent, first_position=start, access=access)
+        self.store.access(keys[: start + len(chunks)], tenant, access)
+        return sum(stored)
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
-        """The leading run of chunks that are resident and verify; each shaped like the spec."""
+        """The leading run of chunks that are resident and verify; each shaped like the spec. The
+        policy hears of them when the request ends (``save``)."""
         out: list[torch.Tensor] = []
         dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
         m = self.store.metrics
         for key in keys:
             buf = torch.empty(shape, dtype=dtype)
-            if self.store.get(key, tenant, out=buf) is None:
+            if self.store.get_many([key], tenant, [buf], touch=False)[0] is None:
                 break
             out.append(buf)
         hit_tokens = len(out) * self.spec.chunk_tokens

@@ -1,72 +1,78 @@
-"""The chunk store of one node: put / get / contains / remove over tiers of preallocated pages.
+"""The chunk store of one node: put / get / read / contains / remove / lease over tiers of pages.
 
-Memory roles: a key names a chunk; the index maps it to a location (tier, page); the page holds
-the payload bytes, verified by an xxh3-64 checksum on every read.
+Memory roles: a key names a chunk; the TieredCache (kvpool.cache) maps it to a node and the node
+to a page of a tier, and its policies decide what leaves; the page holds the payload, verified by
+an xxh3-64 checksum on every read. This module owns the bytes and the tenants' accounting.
 
 Rules this module keeps:
+- bytes before index: a chunk is findable only once its bytes are in place and checksummed;
 - a chunk is visible only to its tenant, or to everyone when it was stored as shared;
-- bytes are verified at every read; a mismatch is a miss, the entry is dropped and counted;
+- bytes are verified at every read and every promotion; a mismatch is a miss, and the entry is
+  dropped, refunded and counted;
 - a leased chunk (being read, or belonging to a request in flight) is never evicted or moved;
-- when a lower tier exists, eviction demotes (DRAM -> disk) instead of dropping; a hit on a
-  lower tier promotes the chunk back to the top tier;
+- eviction demotes (DRAM -> disk) before it drops, and a hit on disk promotes back to DRAM;
 - a write that would pass the tenant's quota is refused whole (429) and changes nothing.
 
-Metadata changes happen under one lock; payload copies of the read path happen outside it,
+Metadata changes happen under one lock; payload copies of reads and writes happen outside it,
 under a lease, so readers do not serialize on each other's copies.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvpool.buffers import as_byte_array
+from kvpool.cache import CacheHooks, TieredCache
 from kvpool.checksum import checksum, copy_with_checksum
 from kvpool.errors import BadRequest, ChunkTooLarge, PoolFull, QuotaExceeded
 from kvpool.keys import ChunkKey, as_key
 from kvpool.metrics import Metrics
+from kvpool.policies import NO_PARENT, Access, make_policy, policy_class
 from kvpool.slab import Slab
 from kvpool.tenants import TenantRegistry
-from kvpool.tier import Tier
-
-_PAGE_BITS = 40  # a location is tier << 40 | page
-_PAGE_MASK = (1 << _PAGE_BITS) - 1
 
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    """Sizes of the node's tiers. ``page_bytes`` is the largest payload one chunk may have."""
+    """Sizes of the node's tiers and their eviction policy. ``page_bytes`` is the largest payload
+    one chunk may have."""
 
     page_bytes: int
     dram_pages: int
     disk_pages: int = 0
     disk_dir: str | None = None
     pin_memory: bool | None = None  # None: pin when CUDA is present
+    policy: str = "default"
+    policy_params: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.disk_pages and not self.disk_dir:
             raise BadRequest("disk_pages > 0 needs disk_dir: the directory of the disk tier's file")
+        policy_class(self.policy)  # a clear error now rather than at the first eviction
 
 
 class Lease:
     """Pins chunks in place until released: they are neither evicted nor moved meanwhile."""
 
-    __slots__ = ("_store", "_locs", "keys")
+    __slots__ = ("_store", "_nodes", "keys")
 
-    def __init__(self, store: "ChunkStore", locs: list[int], keys: list[ChunkKey]) -> None:
+    def __init__(self, store: "ChunkStore", nodes: list[int], keys: list[ChunkKey]) -> None:
         self._store = store
-        self._locs = locs
+        self._nodes = nodes
         self.keys = keys
 
     def release(self) -> None:
-        locs, self._locs = self._locs, []
-        if locs:
+        nodes, self._nodes = self._nodes, []
+        if nodes:
             with self._store._lock:
-                for loc in locs:
-                    self._store._unlease(loc)
+                for n in nodes:
+                    self._store._unlease(n)
 
     def __enter__(self) -> "Lease":
         return self
@@ -75,7 +81,7 @@ class Lease:
         self.release()
 
     def __len__(self) -> int:
-        return len(self._locs)
+        return len(self._nodes)
 
 
 class ChunkView(Lease):
@@ -83,12 +89,12 @@ class ChunkView(Lease):
 
     __slots__ = ("data",)
 
-    def __init__(self, store: "ChunkStore", loc: int, key: ChunkKey, data: np.ndarray) -> None:
-        super().__init__(store, [loc], [key])
+    def __init__(self, store: "ChunkStore", node: int, key: ChunkKey, data: np.ndarray) -> None:
+        super().__init__(store, [node], [key])
         self.data = data
 
 
-class ChunkStore:
+class ChunkStore(CacheHooks):
     def __init__(
         self, config: StoreConfig, tenants: TenantRegistry | None = None, metrics: Metrics | None = None
     ) -> None:
@@ -96,93 +102,150 @@ class ChunkStore:
         self.tenants = tenants if tenants is not None else TenantRegistry()
         self.metrics = metrics if metrics is not None else Metrics()
         self._lock = threading.Lock()
-        self._index: dict[ChunkKey, int] = {}
-        tiers = [Tier("dram", Slab.dram(config.page_bytes, config.dram_pages, config.pin_memory))]
+        self._slabs = [Slab.dram(config.page_bytes, config.dram_pages, config.pin_memory)]
         if config.disk_pages:
-            tiers.append(Tier("disk", Slab.mapped_file("disk", config.disk_dir, config.page_bytes, config.disk_pages)))
-        self._tiers = tiers
-        for t in tiers:
-            self.metrics.pages_total.set(t.num_pages, t.name)
+            self._slabs.append(Slab.mapped_file("disk", config.disk_dir, config.page_bytes, config.disk_pages))
+        self.tier_names = [s.tier for s in self._slabs]
+        params = dict(config.policy_params)
+        self._cache = TieredCache(
+            [s.num_pages for s in self._slabs],
+            lambda cap, res, t: make_policy(config.policy, cap, res, **params),
+            hooks=self,
+        )
+        n = self._cache.capacity
+        self._nbytes = np.zeros(n, dtype=np.int64)
+        self._checksum = np.zeros(n, dtype=np.uint64)
+        self._tenant = np.zeros(n, dtype=np.int32)
+        self._shared = np.zeros(n, dtype=np.bool_)
+        self._ready = np.zeros(n, dtype=np.bool_)  # bytes in place: findable
+        self._doomed = np.zeros(n, dtype=np.bool_)  # removed while leased: dropped at last release
+        self._requests = itertools.count(1)
+        for s in self._slabs:
+            self.metrics.pages_total.set(s.num_pages, s.tier)
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ writes
 
     @property
     def page_bytes(self) -> int:
         return self.config.page_bytes
 
-    def put(self, key: ChunkKey, payload: object, tenant: str, *, shared: bool = False) -> bool:
-        """Stores one chunk; True if stored, False if the key was already resident."""
-        return self.put_many([key], [payload], tenant, shared=shared)[0]
+    def put(self, key: ChunkKey, payload: object, tenant: str, *, shared: bool = False,
+            parent: ChunkKey | None = None) -> bool:
+        """Stores one chunk; True if stored, False if already resident or not admitted."""
+        return self.put_many([key], [payload], tenant, shared=shared, parent=parent)[0]
 
     def put_many(
-        self, keys: Sequence[ChunkKey], payloads: Sequence[object], tenant: str, *, shared: bool = False
+        self, keys: Sequence[ChunkKey], payloads: Sequence[object], tenant: str, *, shared: bool = False,
+        parent: ChunkKey | None = None, first_position: int = 0, access: Access | None = None,
     ) -> list[bool]:
-        """Stores chunks of one tenant; a True per chunk that was new. The quota is charged for the
-        whole batch first: a 429 leaves the store as it was. A 507 (every resident chunk leased)
-        keeps the chunks stored before it, which are valid, and refunds the rest."""
+        """Stores consecutive chunks of one prompt (``keys[i]`` follows ``keys[i-1]``; ``parent`` is
+        the chunk before ``keys[0]``, if any). A True per chunk stored.
+
+        The quota is charged for the whole batch first: a 429 leaves the store as it was. The
+        policy may decline a chunk (then nothing after it is stored: a suffix without its prefix
+        is unreachable). A 507 (nothing can be evicted) keeps the chunks stored before it, which
+        are valid, and refunds the rest.
+        """
         t_idx = self.tenants.index(tenant)
         keys = [as_key(k) for k in keys]
         if len(keys) != len(payloads):
             raise BadRequest(f"put_many got {len(keys)} keys but {len(payloads)} payloads")
+        if parent is not None:
+            parent = as_key(parent)
         srcs = [self._checked_payload(p) for p in payloads]
         stored = [False] * len(keys)
+        cache = self._cache
         with self._lock:
-            todo: list[int] = []
-            seen: set[ChunkKey] = set()
-            for i, k in enumerate(keys):
-                if k not in self._index and k not in seen:
-                    seen.add(k)
-                    todo.append(i)
-            total = sum(srcs[i].shape[0] for i in todo)
-            if not todo:
+            if len(set(keys)) != len(keys):
+                raise BadRequest("put_many got the same key twice: keys of one prompt are all distinct")
+            new_bytes = sum(s.shape[0] for k, s in zip(keys, srcs) if k not in cache.index)
+            if new_bytes == 0:
                 return stored
             try:
-                self.tenants.charge(t_idx, total)
+                self.tenants.charge(t_idx, new_bytes)
             except QuotaExceeded:
                 self.metrics.rejected_quota.inc(1, tenant)
                 raise
-        top = self._tiers[0]
-        done = 0
-        page = None
+            report = access is None  # a standalone write tells the policy itself
+            if access is None:
+                access = Access(next(self._requests), time.monotonic(), first_position + len(keys),
+                                first_position + len(keys), first_position)
+            held: list[int] = []  # leased to the end: the parent and chunks found resident
+            nodes: list[int] = []
+            prev = self._visible(cache.index.get(parent), t_idx) if parent is not None else None
+            if prev is not None:
+                cache.res.leases[prev] += 1
+                held.append(prev)
+                nodes.append(prev)
+        charged = new_bytes
+        top = self._slabs[0]
+        writing = None  # inserted, leased, bytes not yet in place
         try:
-            for i in todo:
-                k, src = keys[i], srcs[i]
+            for i, (k, src) in enumerate(zip(keys, srcs)):
                 nb = src.shape[0]
                 with self._lock:
-                    page = self._alloc(0)
-                # The page is in no list yet, so nothing can evict it while we copy.
-                cs = copy_with_checksum(top.slab.page(page)[:nb], src)
-                with self._lock:
-                    done += nb
-                    held, page = page, None
-                    if k in self._index:  # a racing writer stored it first
-                        top.alloc.free(held)
-                        self.tenants.refund(t_idx, nb)
+                    if i and (prev is None or cache.index.get(keys[i - 1]) != prev):
+                        break  # the previous chunk is gone (evicted by another writer): stop the chain
+                    node = cache.index.get(k)
+                    if node is not None:  # already resident (or a racing writer's): chain through it
+                        if self._visible(node, t_idx) is None:
+                            break
+                        cache.res.leases[node] += 1
+                        held.append(node)
+                        nodes.append(node)
+                        prev = node
                         continue
-                    top.set_entry(held, k, nb, cs, t_idx, shared)
-                    top.lru.push_mru(held)
-                    self._index[k] = held  # tier 0
+                    node = cache.insert(k, NO_PARENT if prev is None else prev, first_position + i, access,
+                                        raise_full=True)
+                    if node is None:  # the policy declined it
+                        break
+                    writing = node
+                    page = cache.node_page[node]
+                # The node is leased and not yet ready: no reader finds it, nothing evicts it.
+                cs = copy_with_checksum(top.page(page)[:nb], src)
+                with self._lock:
+                    self._nbytes[node] = nb
+                    self._checksum[node] = cs
+                    self._tenant[node] = t_idx
+                    self._shared[node] = shared
+                    self._ready[node] = True
+                    writing = None
+                    self._unlease(node)
+                    charged -= nb
                     stored[i] = True
+                    nodes.append(node)
                     self.metrics.puts.inc(1, tenant)
                     self.metrics.put_bytes.inc(nb, tenant)
-        except BaseException as e:
-            # NOTE: chunks stored before a 507 stay (they are valid); the rest is refunded.
+                    prev = node
+            if report:
+                with self._lock:
+                    cache.access(nodes, access)
+        except PoolFull:
             with self._lock:
-                if page is not None:
-                    top.alloc.free(page)
-                self.tenants.refund(t_idx, total - done)
-                if isinstance(e, PoolFull):
-                    self.metrics.rejected_full.inc(1, top.name)
+                self.metrics.rejected_full.inc(1, top.tier)
             raise
+        finally:
+            with self._lock:
+                if charged:
+                    self.tenants.refund(t_idx, charged)
+                for n in held:
+                    self._unlease(n)
+                if writing is not None:  # the copy never finished: nothing may find it
+                    self._unlease(writing)
+                    cache.drop(writing, "removed")
         return stored
+
+    # ------------------------------------------------------------------ reads
 
     def get(self, key: ChunkKey, tenant: str, out: object | None = None) -> np.ndarray | None:
         """The chunk's bytes copied into ``out`` (or a new array), verified; None on a miss."""
         return self.get_many([key], tenant, None if out is None else [out])[0]
 
     def get_many(
-        self, keys: Sequence[ChunkKey], tenant: str, outs: Sequence[object] | None = None
+        self, keys: Sequence[ChunkKey], tenant: str, outs: Sequence[object] | None = None, *, touch: bool = True
     ) -> list[np.ndarray | None]:
+        """Each chunk copied out and verified, or None. ``touch`` tells the policy they were used
+        (a request-level caller that reports the whole request once passes False)."""
         t_idx = self.tenants.index(tenant)
         keys = [as_key(k) for k in keys]
         if outs is not None and len(outs) != len(keys):
@@ -191,13 +254,14 @@ class ChunkStore:
         result: list[np.ndarray | None] = [None] * len(keys)
         bad = [False] * len(keys)
         with self._lock:
-            locs = [self._acquire_for_read(k, t_idx) for k in keys]
+            nodes = [self._acquire_for_read(k, t_idx) for k in keys]
+            if touch:
+                self._touch([n for n in nodes if n is not None])
         try:
-            for i, loc in enumerate(locs):
-                if loc is None:
+            for i, node in enumerate(nodes):
+                if node is None:
                     continue
-                tier, page = self._tiers[loc >> _PAGE_BITS], loc & _PAGE_MASK
-                src = tier.payload(page)
+                src = self._payload(node)
                 dst = dsts[i]
                 if dst is None:
                     dst = np.empty(src.shape[0], dtype=np.uint8)
@@ -205,18 +269,18 @@ class ChunkStore:
                     raise BadRequest(f"output buffer {i} holds {dst.shape[0]} B; the chunk has {src.shape[0]} B")
                 else:
                     dst = dst[: src.shape[0]]
-                if copy_with_checksum(dst, src) == int(tier.checksum[page]):
+                if copy_with_checksum(dst, src) == int(self._checksum[node]):
                     result[i] = dst
                 else:
                     bad[i] = True
         finally:
             with self._lock:
-                for i, loc in enumerate(locs):
-                    if loc is None:
+                for i, node in enumerate(nodes):
+                    if node is None:
                         continue
                     if bad[i]:
-                        self._corrupt(loc)
-                    self._unlease(loc)
+                        self._corrupt(node)
+                    self._unlease(node)
                 self._count_reads(tenant, result)
         return result
 
@@ -229,23 +293,24 @@ class ChunkStore:
         t_idx = self.tenants.index(tenant)
         key = as_key(key)
         with self._lock:
-            loc = self._acquire_for_read(key, t_idx)
-        if loc is None:
+            node = self._acquire_for_read(key, t_idx)
+            if node is not None:
+                self._touch([node])
+        if node is None:
             with self._lock:
                 self._count_reads(tenant, [None])
             return None
-        tier, page = self._tiers[loc >> _PAGE_BITS], loc & _PAGE_MASK
-        data = tier.payload(page)
-        ok = checksum(data) == int(tier.checksum[page])
+        data = self._payload(node)
+        ok = checksum(data) == int(self._checksum[node])
         with self._lock:
             self._count_reads(tenant, [data if ok else None])
             if not ok:
-                self._corrupt(loc)
-                self._unlease(loc)
+                self._corrupt(node)
+                self._unlease(node)
                 return None
         data = data.view()
         data.flags.writeable = False
-        return ChunkView(self, loc, key, data)
+        return ChunkView(self, node, key, data)
 
     def contains(self, key: ChunkKey, tenant: str) -> bool:
         return self.contains_many([key], tenant)[0]
@@ -253,8 +318,23 @@ class ChunkStore:
     def contains_many(self, keys: Sequence[ChunkKey], tenant: str) -> list[bool]:
         t_idx = self.tenants.index(tenant)
         keys = [as_key(k) for k in keys]
+        index = self._cache.index
         with self._lock:
-            return [self._visible(self._index.get(k), t_idx) is not None for k in keys]
+            return [self._visible(index.get(k), t_idx) is not None for k in keys]
+
+    def access(self, keys: Sequence[ChunkKey], tenant: str, access: Access) -> None:
+        """Tells the policy that one request used these chunks (root to leaf)."""
+        t_idx = self.tenants.index(tenant)
+        with self._lock:
+            nodes = []
+            for k in keys:
+                n = self._visible(self._cache.index.get(as_key(k)), t_idx)
+                if n is None:
+                    break
+                nodes.append(n)
+            self._cache.access(nodes, access)
+
+    # ------------------------------------------------------------------ removal, leases, pins
 
     def remove(self, key: ChunkKey, tenant: str) -> bool:
         return self.remove_many([key], tenant) == 1
@@ -266,13 +346,10 @@ class ChunkStore:
         n = 0
         with self._lock:
             for k in keys:
-                loc = self._index.get(k)
-                if loc is None:
+                node = self._cache.index.get(k)
+                if node is None or not self._ready[node] or self._tenant[node] != t_idx:
                     continue
-                tier, page = self._tiers[loc >> _PAGE_BITS], loc & _PAGE_MASK
-                if tier.tenant[page] != t_idx:
-                    continue
-                self._unlink(tier, page)
+                self._discard(node, "removed")
                 n += 1
         return n
 
@@ -280,64 +357,115 @@ class ChunkStore:
         """Leases the resident chunks among ``keys`` that the tenant can see (a request in flight)."""
         t_idx = self.tenants.index(tenant)
         keys = [as_key(k) for k in keys]
-        locs, held = [], []
+        nodes, held = [], []
         with self._lock:
             for k in keys:
-                loc = self._visible(self._index.get(k), t_idx)
-                if loc is not None:
-                    self._tiers[loc >> _PAGE_BITS].leases[loc & _PAGE_MASK] += 1
-                    locs.append(loc)
+                node = self._visible(self._cache.index.get(k), t_idx)
+                if node is not None:
+                    self._cache.res.leases[node] += 1
+                    nodes.append(node)
                     held.append(k)
-        return Lease(self, locs, held)
+        return Lease(self, nodes, held)
+
+    def pin(self, keys: Sequence[ChunkKey], tenant: str) -> int:
+        """Asks the policy to pin these chunks (warm-up); how many it pinned (zoned policies pin up
+        to their cap, others none)."""
+        t_idx = self.tenants.index(tenant)
+        keys = [as_key(k) for k in keys]
+        with self._lock:
+            return sum(
+                1 for k in keys
+                if (n := self._visible(self._cache.index.get(k), t_idx)) is not None and self._cache.pin(n)
+            )
+
+    # ------------------------------------------------------------------ inspection
 
     def locate(self, key: ChunkKey) -> tuple[str, int] | None:
         """(tier name, page) of a resident chunk, for operators and tests; no tenant check."""
-        loc = self._index.get(as_key(key))
-        if loc is None:
+        node = self._cache.index.get(as_key(key))
+        if node is None or not self._ready[node]:
             return None
-        return self._tiers[loc >> _PAGE_BITS].name, loc & _PAGE_MASK
+        return self.tier_names[self._cache.node_tier[node]], self._cache.node_page[node]
 
-    def tier(self, name: str) -> Tier:
-        for t in self._tiers:
-            if t.name == name:
-                return t
-        raise BadRequest(f"no tier named {name!r}; tiers: {[t.name for t in self._tiers]}")
+    def slab(self, tier: str) -> Slab:
+        for s in self._slabs:
+            if s.tier == tier:
+                return s
+        raise BadRequest(f"no tier named {tier!r}; tiers: {self.tier_names}")
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._cache.index)
 
     def metadata_bytes(self) -> int:
-        """Bytes of bookkeeping: per-page arrays plus the index (a dict entry and a location each)."""
-        index = 8 * 3 * max(8, len(self._index)) * 3 // 2 + 28 * len(self._index)
-        return index + sum(t.metadata_bytes() for t in self._tiers)
+        """Bookkeeping bytes: per-node arrays, the cache's lists and the index."""
+        cache = self._cache
+        n = cache.capacity
+        arrays = sum(a.nbytes for a in (self._nbytes, self._checksum, self._tenant, self._shared, self._ready, self._doomed))
+        lists = 8 * n * 24  # node tables, residency and policy links: ~24 list slots per node
+        keys = (49 + 28 + 3 * 8 * 3 // 2) * len(cache.index)  # key object, index entry, dict slack
+        return arrays + lists + keys
 
     def stats(self) -> dict:
         with self._lock:
+            cache = self._cache
             tiers = {}
-            for t in self._tiers:
-                tiers[t.name] = {
-                    "page_bytes": t.slab.page_bytes,
-                    "pages_total": t.num_pages,
-                    "pages_used": t.alloc.num_used,
-                    "chunks": len(t.lru),
-                    "bytes": t.used_bytes,
-                    "leased_pages": int(np.count_nonzero(t.leases)),
+            for t, s in enumerate(self._slabs):
+                nodes = [n for n, k in enumerate(cache.node_key) if k is not None and cache.node_tier[n] == t]
+                used = int(self._nbytes[nodes].sum()) if nodes else 0
+                tiers[s.tier] = {
+                    "page_bytes": s.page_bytes,
+                    "pages_total": s.num_pages,
+                    "pages_used": cache.tier_used(t),
+                    "chunks": len(nodes),
+                    "bytes": used,
+                    "leased_pages": sum(1 for n in nodes if cache.res.leases[n]),
                 }
-                self.metrics.bytes.set(t.used_bytes, t.name)
-                self.metrics.chunks.set(len(t.lru), t.name)
+                self.metrics.bytes.set(used, s.tier)
+                self.metrics.chunks.set(len(nodes), s.tier)
+            self.metrics.lease_waits.set_total(cache.res.lease_skips)
             tenants = {}
             for ten in self.tenants:
                 used = self.tenants.usage(ten.id)
                 tenants[ten.id] = {"bytes": used, "quota_bytes": ten.quota_bytes, "priority": ten.priority}
                 self.metrics.tenant_bytes.set(used, ten.id)
-            return {"tiers": tiers, "tenants": tenants, "chunks": len(self._index), "metrics": self.metrics.snapshot()}
+            return {
+                "tiers": tiers, "tenants": tenants, "chunks": len(cache.index), "policy": self.config.policy,
+                "policy_stats": cache.policies[0].stats(), "metrics": self.metrics.snapshot(),
+            }
 
     def close(self) -> None:
         with self._lock:
-            assert not any(int(t.leases.sum()) for t in self._tiers), "closing a store with live leases"
-            for t in self._tiers:
-                t.slab.close()
-            self._index.clear()
+            assert not any(self._cache.res.leases), "closing a store with live leases"
+            for s in self._slabs:
+                s.close()
+            self._cache.index.clear()
+
+    # ------------------------------------------------------------------ cache hooks (lock held)
+
+    def move(self, node: int, src_tier: int, src_page: int, dst_tier: int, dst_page: int) -> bool:
+        nb = int(self._nbytes[node])
+        src = self._slabs[src_tier].page(src_page)[:nb]
+        dst = self._slabs[dst_tier].page(dst_page)[:nb]
+        if dst_tier > src_tier:  # demotion: verified when it is read back
+            np.copyto(dst, src)
+            self.metrics.demotions.inc(1, self.tier_names[src_tier])
+            return True
+        if copy_with_checksum(dst, src) != int(self._checksum[node]):
+            return False
+        self.metrics.promotions.inc(1, self.tier_names[dst_tier])
+        return True
+
+    def dropped(self, node: int, tier: int, page: int, reason: str) -> None:
+        name = self.tier_names[tier]
+        if reason == "evicted":
+            self.metrics.evictions.inc(1, name)
+        elif reason == "corrupt":
+            self.metrics.checksum_failures.inc(1, name)
+        if self._ready[node]:
+            self.tenants.refund(int(self._tenant[node]), int(self._nbytes[node]))
+        self._ready[node] = False
+        self._doomed[node] = False
+        self._nbytes[node] = 0
 
     # ------------------------------------------------------------------ internals (lock held)
 
@@ -353,134 +481,54 @@ class ChunkStore:
             )
         return arr
 
-    def _visible(self, loc: int | None, t_idx: int) -> int | None:
-        if loc is None:
+    def _payload(self, node: int) -> np.ndarray:
+        c = self._cache
+        return self._slabs[c.node_tier[node]].page(c.node_page[node])[: int(self._nbytes[node])]
+
+    def _visible(self, node: int | None, t_idx: int) -> int | None:
+        if node is None or not self._ready[node]:
             return None
-        tier, page = self._tiers[loc >> _PAGE_BITS], loc & _PAGE_MASK
-        if tier.tenant[page] == t_idx or tier.shared[page]:
-            return loc
+        if self._tenant[node] == t_idx or self._shared[node]:
+            return node
         return None
 
     def _acquire_for_read(self, key: ChunkKey, t_idx: int) -> int | None:
         """Leases the chunk for a read, promoting it to the top tier first when it can move."""
-        loc = self._visible(self._index.get(key), t_idx)
-        if loc is None:
+        node = self._visible(self._cache.index.get(key), t_idx)
+        if node is None:
             return None
-        ti, page = loc >> _PAGE_BITS, loc & _PAGE_MASK
-        tier = self._tiers[ti]
-        if ti > 0 and tier.leases[page] == 0:
-            loc = self._promote(ti, page)
-            if loc is None:
+        cache = self._cache
+        if cache.node_tier[node] > 0 and cache.res.leases[node] == 0:
+            cache.promote(node)  # NOTE: under the lock; disk hits are the slow path
+            if self._cache.index.get(key) != node:  # its bytes failed verification: dropped
                 return None
-            ti, page = loc >> _PAGE_BITS, loc & _PAGE_MASK
-            tier = self._tiers[ti]
-        tier.lru.touch(page)
-        tier.leases[page] += 1
-        return loc
+        cache.res.leases[node] += 1
+        return node
 
-    def _promote(self, ti: int, page: int) -> int | None:
-        """Moves a chunk from tier ``ti`` to the top tier, verifying its bytes on the way.
+    def _touch(self, nodes: list[int]) -> None:
+        if nodes:
+            self._cache.access(nodes, Access(next(self._requests), time.monotonic(), len(nodes), len(nodes), len(nodes)))
 
-        NOTE: runs under the lock; disk hits are the slow path and a shard serves them in order.
-        """
-        low, top = self._tiers[ti], self._tiers[0]
-        low.leases[page] += 1  # so making room in the top tier cannot demote-evict it
-        try:
-            dest = self._alloc(0)
-        except PoolFull:
-            return (ti << _PAGE_BITS) | page  # serve it from where it is
-        finally:
-            low.leases[page] -= 1
-        nb = int(low.nbytes[page])
-        cs = copy_with_checksum(top.slab.page(dest)[:nb], low.payload(page))
-        if cs != int(low.checksum[page]):
-            top.alloc.free(dest)
-            self.metrics.checksum_failures.inc(1, low.name)
-            self._unlink(low, page)
-            return None
-        key = low.keys[page]
-        top.set_entry(dest, key, nb, cs, int(low.tenant[page]), bool(low.shared[page]))
-        top.lru.push_mru(dest)
-        low.lru.remove(page)
-        low.clear_entry(page)
-        self._index[key] = dest
-        self.metrics.promotions.inc(1, top.name)
-        return dest
+    def _unlease(self, node: int) -> None:
+        res = self._cache.res
+        res.leases[node] -= 1
+        assert res.leases[node] >= 0, node
+        if res.leases[node] == 0 and self._doomed[node]:
+            self._cache.drop(node, "removed")
 
-    def _alloc(self, ti: int) -> int:
-        tier = self._tiers[ti]
-        page = tier.alloc.alloc()
-        if page is None:
-            self._make_room(ti)
-            page = tier.alloc.alloc()
-            assert page is not None
-        return page
-
-    def _make_room(self, ti: int) -> None:
-        """Frees one page of tier ``ti``: demotes its least recently used unleased chunk to the next
-        tier, or drops it from the last tier. PoolFull when every chunk is leased."""
-        tier = self._tiers[ti]
-        victim = None
-        for page in tier.lru.iter_lru():
-            if tier.leases[page]:
-                self.metrics.lease_waits.inc(1, tier.name)
-                continue
-            victim = page
-            break
-        if victim is None:
-            raise PoolFull(
-                f"{tier.name} tier is full ({tier.num_pages} pages) and every resident chunk is "
-                "leased: finish or cancel requests in flight, or give the tier more pages"
-            )
-        if ti + 1 < len(self._tiers):
-            self._demote(ti, victim)
+    def _discard(self, node: int, reason: str) -> None:
+        """Hides a chunk now; frees it now, or at its last release when leased."""
+        if self._cache.res.leases[node]:
+            self._cache.hide(node)
+            self._doomed[node] = True
         else:
-            self.metrics.evictions.inc(1, tier.name)
-            self._unlink(tier, victim)
+            self._cache.drop(node, reason)
 
-    def _demote(self, ti: int, page: int) -> None:
-        high, low = self._tiers[ti], self._tiers[ti + 1]
-        high.leases[page] += 1  # not a victim of the room-making below
-        try:
-            dest = self._alloc(ti + 1)
-        finally:
-            high.leases[page] -= 1
-        nb = int(high.nbytes[page])
-        np.copyto(low.slab.page(dest)[:nb], high.payload(page))  # verified when read back
-        key = high.keys[page]
-        low.set_entry(dest, key, nb, int(high.checksum[page]), int(high.tenant[page]), bool(high.shared[page]))
-        low.lru.push_mru(dest)
-        high.lru.remove(page)
-        high.clear_entry(page)
-        self._index[key] = ((ti + 1) << _PAGE_BITS) | dest
-        self.metrics.demotions.inc(1, high.name)
-
-    def _unlink(self, tier: Tier, page: int) -> None:
-        """Makes a chunk invisible and frees its page now, or when its last lease ends."""
-        key = tier.keys[page]
-        del self._index[key]
-        tier.lru.remove(page)
-        if tier.leases[page]:
-            tier.doomed[page] = True
-        else:
-            self._free(tier, page)
-
-    def _free(self, tier: Tier, page: int) -> None:
-        self.tenants.refund(int(tier.tenant[page]), int(tier.nbytes[page]))
-        tier.clear_entry(page)
-
-    def _unlease(self, loc: int) -> None:
-        tier, page = self._tiers[loc >> _PAGE_BITS], loc & _PAGE_MASK
-        tier.leases[page] -= 1
-        assert tier.leases[page] >= 0, (tier.name, page)
-        if tier.leases[page] == 0 and tier.doomed[page]:
-            self._free(tier, page)
-
-    def _corrupt(self, loc: int) -> None:
-        tier, page = self._tiers[loc >> _PAGE_BITS], loc & _PAGE_MASK
-        self.metrics.checksum_failures.inc(1, tier.name)
-        if not tier.doomed[page]:
-            self._unlink(tier, page)
+    def _corrupt(self, node: int) -> None:
+        if not self._doomed[node]:
+            c = self._cache
+            self.metrics.checksum_failures.inc(1, self.tier_names[c.node_tier[node]])
+            self._discard(node, "removed")  # counted here, not again by the drop
 
     def _count_reads(self, tenant: str, result: Sequence[np.ndarray | None]) -> None:
         hits = sum(r is not None for r in result)

@@ -12,9 +12,9 @@ from kvpool import ChunkStore, KVSpec, Namespace, StoreConfig, Tenant, TenantReg
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None):
+def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru", **params):
     reg = TenantRegistry(tenants or [Tenant("a"), Tenant("b")])
-    return ChunkStore(StoreConfig(page_bytes, dram_pages, disk_pages, disk_dir), reg)
+    return ChunkStore(StoreConfig(page_bytes, dram_pages, disk_pages, disk_dir, policy=policy, policy_params=params), reg)
 
 
 def make_keys(n, tenant_salt=b"t", seed=0, chunk_tokens=4):
@@ -31,7 +31,7 @@ def payload(i, nbytes=1000):
 def snapshot(store):
     """Everything a failed call must leave unchanged."""
     st = store.stats()
-    return st["tiers"], st["tenants"], st["chunks"], sorted(bytes(k) for k in store._index)
+    return st["tiers"], st["tenants"], st["chunks"], sorted(bytes(k) for k in store._cache.index)
 
 
 @pytest.fixture

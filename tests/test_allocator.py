@@ -1,7 +1,7 @@
 import pytest
 
 from kvpool.allocator import PageAllocator
-from kvpool.lru import LruList
+from kvpool.policies.links import SlotLists
 
 
 def test_allocator_hands_out_in_order_then_reuses_last_freed_first():
@@ -22,13 +22,17 @@ def test_double_free_is_an_invariant_violation():
         a.free(p)
 
 
-def test_lru_order_touch_and_remove_from_the_middle():
-    lru = LruList(5)
+def test_slot_lists_order_move_and_remove_from_the_middle():
+    lists = SlotLists(6, 2)
     for p in [3, 1, 4, 0]:
-        lru.push_mru(p)
-    assert list(lru.iter_lru()) == [3, 1, 4, 0]
-    lru.touch(1)
-    assert list(lru.iter_lru()) == [3, 4, 0, 1]
-    lru.remove(4)
-    assert list(lru.iter_lru()) == [3, 0, 1]
-    assert len(lru) == 3 and 4 not in lru and 0 in lru
+        lists.push_tail(0, p)
+    lists.push_tail(1, 5)
+    assert list(lists.iter_from_head(0)) == [3, 1, 4, 0]
+    lists.move_to_tail(0, 1)
+    assert list(lists.iter_from_head(0)) == [3, 4, 0, 1]
+    assert list(lists.iter_from_tail(0)) == [1, 0, 4, 3]
+    assert lists.remove(4) == 0 and lists.remove(4) == -1
+    assert list(lists.iter_from_head(0)) == [3, 0, 1]
+    lists.move_to_tail(1, 3)  # between lists
+    assert list(lists.iter_from_head(1)) == [5, 3] and lists.head(0) == 0
+    assert (lists.size(0), lists.size(1), len(lists)) == (2, 2, 4)

@@ -65,7 +65,7 @@ def test_corrupted_byte_is_a_miss_and_the_entry_is_dropped():
     k = make_keys(2)
     s.put_many(k, [payload(0), payload(1)], "a")
     tier, page = s.locate(k[0])
-    s.tier(tier).slab.page(page)[500] ^= 0x01
+    s.slab(tier).page(page)[500] ^= 0x01
     assert s.get(k[0], "a") is None
     assert not s.contains(k[0], "a")
     assert s.metrics.checksum_failures.get("dram") == 1
@@ -81,27 +81,39 @@ def test_corruption_is_caught_by_the_zero_copy_read_too():
         assert np.array_equal(view.data, payload(3))
         assert not view.data.flags.writeable
     tier, page = s.locate(k)
-    s.tier(tier).slab.page(page)[0] ^= 0xFF
+    s.slab(tier).page(page)[0] ^= 0xFF
     assert s.read(k, "a") is None
     assert not s.contains(k, "a")
 
 
 def test_leased_chunks_are_never_evicted():
     s = make_store(dram_pages=2)
-    k = make_keys(4)
-    s.put_many(k[:2], [payload(0), payload(1)], "a")
-    lease = s.lease(k[:1], "a")  # k0 is the LRU chunk, but leased
-    s.put(k[2], payload(2), "a")
-    assert s.contains_many(k[:3], "a") == [True, False, True]
-    assert s.metrics.lease_waits.get("dram") == 1
-    lease2 = s.lease([k[2]], "a")
+    a, b, c, d = (make_keys(1, seed=i)[0] for i in range(4))  # four unrelated prompts
+    s.put(a, payload(0), "a")
+    s.put(b, payload(1), "a")
+    lease = s.lease([a], "a")  # a is the LRU chunk, but leased
+    s.put(c, payload(2), "a")
+    assert s.contains_many([a, b, c], "a") == [True, False, True]
+    assert s.stats()["metrics"]["lease_waits"][""] >= 1
+    lease2 = s.lease([c], "a")
     with pytest.raises(PoolFull) as e:
-        s.put(k[3], payload(3), "a")
+        s.put(d, payload(3), "a")
     assert e.value.status == 507
     lease.release()
     lease2.release()
-    s.put(k[3], payload(3), "a")
-    assert s.contains_many(k, "a") == [False, False, True, True]
+    s.put(d, payload(3), "a")
+    assert s.contains_many([a, b, c, d], "a") == [False, False, True, True]
+
+
+def test_a_prefix_is_never_evicted_before_its_suffix():
+    s = make_store(dram_pages=3)
+    k = make_keys(3)
+    s.put_many(k[:2], [payload(0), payload(1)], "a")  # k0 -> k1
+    s.get(k[1], "a")  # k1 alone is touched: k0 is now the least recently used chunk
+    other = make_keys(2, seed=7)
+    s.put_many(other, [payload(5), payload(6)], "a")
+    # room for the second prompt came from the leaf k1, never from the prefix k0 it depends on
+    assert s.contains_many(k[:2], "a") == [True, False]
 
 
 def test_remove_while_leased_frees_at_release():
@@ -162,7 +174,7 @@ def test_corruption_on_disk_is_caught_at_promotion(tmp_disk):
     s.put_many(k, [payload(0), payload(1)], "a")
     tier, page = s.locate(k[0])
     assert tier == "disk"
-    s.tier("disk").slab.page(page)[10] ^= 0x10
+    s.slab("disk").page(page)[10] ^= 0x10
     assert s.get(k[0], "a") is None
     assert not s.contains(k[0], "a")
     assert s.metrics.checksum_failures.get("disk") == 1

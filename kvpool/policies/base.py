@@ -39,7 +39,7 @@ class Residency:
 
     __slots__ = (
         "capacity", "parent", "children", "leases", "pinned", "depth", "request", "tenant", "resident", "key",
-        "first_child", "next_sib", "prev_sib", "last_child",
+        "first_child", "next_sib", "prev_sib", "last_child", "lease_skips",
     )
 
     def __init__(self, capacity: int) -> None:
@@ -59,6 +59,7 @@ class Residency:
         self.last_child = [NO_PARENT] * capacity
         self.next_sib = [NO_PARENT] * capacity
         self.prev_sib = [NO_PARENT] * capacity
+        self.lease_skips = 0  # eviction candidates passed over because they were leased
 
     def add(self, slot: int, parent: int, depth: int, request: int, tenant: int, key: object = None) -> None:
         assert not self.resident[slot], slot
@@ -167,7 +168,20 @@ class Policy(ABC):
         self.drops = True
 
     def can_evict(self, slot: int) -> bool:
-        return self.res.evictable(slot) if self.drops else self.res.movable(slot)
+        res = self.res
+        if res.leases[slot]:
+            res.lease_skips += 1
+            return False
+        return res.evictable(slot) if self.drops else res.movable(slot)
+
+    def movable(self, slot: int) -> bool:
+        """Leased or pinned chunks stay; a prefix of resident chunks may be named (the cache then
+        evicts its suffix's leaves first)."""
+        res = self.res
+        if res.leases[slot]:
+            res.lease_skips += 1
+            return False
+        return not res.pinned[slot]
 
     def admit(self, position: int, access: Access) -> bool:
         """Whether to store the request's chunk at ``position`` (it was not resident)."""

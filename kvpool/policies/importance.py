@@ -80,7 +80,7 @@ class ImportancePolicy(Policy):
         members, n = self.members, len(self.members)
         if n == 0:
             return []
-        movable = self.res.movable
+        movable = self.movable
         best, best_score = None, float("inf")
         for _ in range(min(self.sample, n) * 2):
             s = members[self.rng.randrange(n)]

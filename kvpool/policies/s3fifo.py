@@ -77,7 +77,7 @@ class S3FifoPolicy(Policy):
                 return []
             q = SMALL if n_small and (n_small >= self.small_target() or not n_main) else MAIN
             s = lists.head(q)
-            if not self.res.movable(s):
+            if not self.movable(s):
                 # NOTE: a chunk that cannot go now (leased, pinned) goes round again; O(1). A
                 # prefix of resident chunks is returned all the same: the cache evicts its
                 # suffix's leaves first.

@@ -62,14 +62,11 @@ def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int]
             if n is None:
                 break
             nodes.append(n)
-            if parent != NO_PARENT and pos > h:
-                leases[parent] -= 1  # written: it may move down a tier now; its child holds it
+            leases[n] -= 1  # written; the prefix rule holds it from now on
             parent = n
         cache.access(nodes, acc)
         for n in run:
             leases[n] -= 1
-        if len(nodes) > h:
-            leases[nodes[-1]] -= 1
         if on_progress is not None and rid % 1000 == 999:
             on_progress(1000)
     row = {
