@@ -168,9 +168,9 @@ class TieredCache:
         res.remove(node)
         self.pages[t].free(page)
         self.hide(node)
+        self.hooks.dropped(node, t, page, reason)
         self.node_key[node] = None
         self.nodes.free(node)
-        self.hooks.dropped(node, t, page, reason)
 
     def pin(self, node: int) -> bool:
         return self.policies[self.node_tier[node]].on_pin(node)

@@ -91,12 +91,14 @@ def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool =
 
             t0 = time.perf_counter()
             keys = pool.keys(r.tenant, r.tokens)
+            req = pool.begin(r.tenant, keys)  # its cached prefix stays put while it runs
             loaded = pool.load(r.tenant, keys)
             hit = len(loaded) * ct
             suffix = prefill(r.tokens, hit)
             full = len(keys) - len(loaded)
             new_chunks = [suffix[:, :, i * ct : (i + 1) * ct].contiguous() for i in range(full)]
-            pool.save(r.tenant, keys, new_chunks, start=len(loaded))
+            pool.save(r.tenant, keys, new_chunks, start=len(loaded), request=req)
+            pool.end(req)
             warm = time.perf_counter() - t0
 
             if verify and loaded:

@@ -70,6 +70,22 @@ class QuotaExceeded(KvPoolError):
         self.requested = requested
 
 
+class RequestCancelled(KvPoolError):
+    """The pool cancelled this request to free memory: nothing else could be evicted, and it was
+    the lowest-priority request in flight. Retry later or recompute without the pool."""
+
+    status = 429
+
+    def __init__(self, request_id: int, tenant: str, priority: int) -> None:
+        super().__init__(
+            f"request {request_id} of tenant {tenant!r} (priority {priority}) was cancelled to free pool "
+            "memory: it was the lowest-priority request in flight; retry later"
+        )
+        self.request_id = request_id
+        self.tenant = tenant
+        self.priority = priority
+
+
 class PoolFull(KvPoolError):
     """No page can be freed: every resident chunk is leased (being read or in flight)."""
 

@@ -17,7 +17,7 @@ from kvpool.errors import LayoutMismatch
 from kvpool.keys import ChunkKey, Namespace, chunk_keys
 from kvpool.policies import Access
 from kvpool.spec import KVSpec
-from kvpool.store import ChunkStore, Lease, StoreConfig
+from kvpool.store import ActiveRequest, ChunkStore, Lease, StoreConfig
 from kvpool.tenants import SHARED_SALT, TenantRegistry
 
 _TORCH_DTYPES = {
@@ -95,8 +95,15 @@ class LocalPool:
                 f"kv_heads, head_dim] = {spec.chunk_shape}"
             )
 
+    def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None) -> ActiveRequest:
+        """A request starts: the leading run of its cached chunks is leased until ``end``."""
+        return self.store.begin(tenant, keys, priority)
+
+    def end(self, request: ActiveRequest) -> None:
+        self.store.end(request)
+
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *,
-             start: int = 0, shared: bool = False) -> int:
+             start: int = 0, shared: bool = False, request: ActiveRequest | None = None) -> int:
         """Stores the chunks of ``keys[start:]`` (``[layers, 2, chunk_tokens, kv_heads, head_dim]``
         each) and ends the request: the policy hears once of all its chunks. Returns how many were
         stored. Everything is validated before anything is written."""
@@ -111,7 +118,7 @@ class LocalPool:
         access = Access(next(self._requests), time.monotonic(), n, n, start)
         parent = keys[start - 1] if start else None
         stored = self.store.put_many(list(keys[start : start + len(chunks)]), payloads, tenant, shared=shared,
-                                     parent=parent, first_position=start, access=access)
+                                     parent=parent, first_position=start, access=access, request=request)
         self.store.access(keys[: start + len(chunks)], tenant, access)
         return sum(stored)
 
@@ -132,6 +139,20 @@ class LocalPool:
         if len(keys) > len(out):
             m.misses_tokens.inc((len(keys) - len(out)) * self.spec.chunk_tokens, tenant)
         return out
+
+    def warmup(self, tenant: str, prompts: Sequence[tuple[object, Sequence[torch.Tensor]]], *,
+               shared: bool = False, pin: bool = True) -> tuple[int, int]:
+        """Preloads prefixes before traffic (system prompts, tool schemas): each item is the
+        prompt's tokens and the KV chunks of its whole chunks. Pins them when ``pin`` (the policy
+        decides how many fit under its pinned cap; the rest stay as ordinary chunks). Returns
+        (chunks stored, chunks pinned)."""
+        stored = pinned = 0
+        for tokens, chunks in prompts:
+            keys = self.keys(tenant, tokens, shared=shared)
+            stored += self.save(tenant, keys, chunks, shared=shared)
+            if pin:
+                pinned += self.store.pin(keys[: len(chunks)], tenant)
+        return stored, pinned
 
     def lease(self, tenant: str, keys: Sequence[ChunkKey]) -> Lease:
         """Pins a request's chunks while it is in flight."""

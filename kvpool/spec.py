@@ -27,6 +27,10 @@ DTYPE_BYTES: dict[str, int] = {
 # Storage formats; anything but "raw" is lossy and opt-in (see kvpool.kernels, quantization).
 STORAGE_FORMATS = ("raw", "fp8", "int8", "int4-kivi", "int2-kivi")
 
+# Where background eviction starts, by storage format: smaller pages fragment less, so a pool of
+# them can run fuller before a put risks waiting for room.
+DEFAULT_HIGH_WATERMARK = {"raw": 0.90, "fp8": 0.95, "int8": 0.95, "int4-kivi": 0.97, "int2-kivi": 0.97}
+
 # Bumped whenever the chunk layout or the key derivation changes meaning.
 FORMAT_VERSION = 1
 

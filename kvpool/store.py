@@ -30,12 +30,13 @@ import numpy as np
 from kvpool.buffers import as_byte_array
 from kvpool.cache import CacheHooks, TieredCache
 from kvpool.checksum import checksum, copy_with_checksum
-from kvpool.errors import BadRequest, ChunkTooLarge, PoolFull, QuotaExceeded
+from kvpool.errors import BadRequest, ChunkTooLarge, PoolFull, QuotaExceeded, RequestCancelled
 from kvpool.keys import ChunkKey, as_key
 from kvpool.metrics import Metrics
 from kvpool.policies import NO_PARENT, Access, make_policy, policy_class
 from kvpool.slab import Slab
-from kvpool.tenants import TenantRegistry
+from kvpool.spec import DEFAULT_HIGH_WATERMARK
+from kvpool.tenants import TenantRegistry, priority_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +51,45 @@ class StoreConfig:
     pin_memory: bool | None = None  # None: pin when CUDA is present
     policy: str = "default"
     policy_params: dict = field(default_factory=dict)
+    # Background eviction: starts when a tier is fuller than high_watermark, stops at
+    # low_watermark. None: the default of the storage format (DEFAULT_HIGH_WATERMARK), and 10
+    # points below it.
+    storage_format: str = "raw"
+    high_watermark: float | None = None
+    low_watermark: float | None = None
+    background_eviction: bool = False
 
     def __post_init__(self) -> None:
         if self.disk_pages and not self.disk_dir:
             raise BadRequest("disk_pages > 0 needs disk_dir: the directory of the disk tier's file")
         policy_class(self.policy)  # a clear error now rather than at the first eviction
+        if self.storage_format not in DEFAULT_HIGH_WATERMARK:
+            raise BadRequest(f"storage_format {self.storage_format!r} is not one of {sorted(DEFAULT_HIGH_WATERMARK)}")
+        high, low = self.watermarks
+        if not 0 < low < high <= 1:
+            raise BadRequest(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
+
+    @property
+    def watermarks(self) -> tuple[float, float]:
+        high = self.high_watermark if self.high_watermark is not None else DEFAULT_HIGH_WATERMARK[self.storage_format]
+        low = self.low_watermark if self.low_watermark is not None else round(high - 0.10, 4)
+        return high, low
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    """A request in flight: its chunks are leased until it ends, or until the pool cancels it."""
+
+    id: int
+    tenant: str
+    priority: int
+    started: float
+    nodes: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+    def check(self) -> None:
+        if self.cancelled:
+            raise RequestCancelled(self.id, self.tenant, self.priority)
 
 
 class Lease:
@@ -120,8 +155,17 @@ class ChunkStore(CacheHooks):
         self._ready = np.zeros(n, dtype=np.bool_)  # bytes in place: findable
         self._doomed = np.zeros(n, dtype=np.bool_)  # removed while leased: dropped at last release
         self._requests = itertools.count(1)
+        self._active: dict[int, ActiveRequest] = {}
+        self._writer = -1  # tenant index of the write making room now (for guaranteed shares)
+        self.tenants.pool_bytes = sum(s.nbytes for s in self._slabs)
         for s in self._slabs:
             self.metrics.pages_total.set(s.num_pages, s.tier)
+        self._evictor: threading.Thread | None = None
+        self._wake = threading.Condition(self._lock)
+        self._closing = False
+        if config.background_eviction:
+            self._evictor = threading.Thread(target=self._evict_loop, name="kvpool-evictor", daemon=True)
+            self._evictor.start()
 
     # ------------------------------------------------------------------ writes
 
@@ -130,22 +174,27 @@ class ChunkStore(CacheHooks):
         return self.config.page_bytes
 
     def put(self, key: ChunkKey, payload: object, tenant: str, *, shared: bool = False,
-            parent: ChunkKey | None = None) -> bool:
+            parent: ChunkKey | None = None, request: ActiveRequest | None = None) -> bool:
         """Stores one chunk; True if stored, False if already resident or not admitted."""
-        return self.put_many([key], [payload], tenant, shared=shared, parent=parent)[0]
+        return self.put_many([key], [payload], tenant, shared=shared, parent=parent, request=request)[0]
 
     def put_many(
         self, keys: Sequence[ChunkKey], payloads: Sequence[object], tenant: str, *, shared: bool = False,
         parent: ChunkKey | None = None, first_position: int = 0, access: Access | None = None,
+        request: ActiveRequest | None = None,
     ) -> list[bool]:
         """Stores consecutive chunks of one prompt (``keys[i]`` follows ``keys[i-1]``; ``parent`` is
         the chunk before ``keys[0]``, if any). A True per chunk stored.
 
         The quota is charged for the whole batch first: a 429 leaves the store as it was. The
         policy may decline a chunk (then nothing after it is stored: a suffix without its prefix
-        is unreachable). A 507 (nothing can be evicted) keeps the chunks stored before it, which
-        are valid, and refunds the rest.
+        is unreachable). When nothing can be evicted, the lowest-priority request in flight is
+        cancelled (RequestCancelled, 429, to its owner); with no request in flight it is a 507.
+        Either keeps the chunks stored before it, which are valid, and refunds the rest. Chunks
+        written for a ``request`` stay leased until it ends.
         """
+        if request is not None:
+            request.check()
         t_idx = self.tenants.index(tenant)
         keys = [as_key(k) for k in keys]
         if len(keys) != len(payloads):
@@ -195,8 +244,7 @@ class ChunkStore(CacheHooks):
                         nodes.append(node)
                         prev = node
                         continue
-                    node = cache.insert(k, NO_PARENT if prev is None else prev, first_position + i, access,
-                                        raise_full=True)
+                    node = self._insert(k, prev, first_position + i, access, t_idx, request)
                     if node is None:  # the policy declined it
                         break
                     writing = node
@@ -210,7 +258,10 @@ class ChunkStore(CacheHooks):
                     self._shared[node] = shared
                     self._ready[node] = True
                     writing = None
-                    self._unlease(node)
+                    if request is not None and not request.cancelled:
+                        request.nodes.append(node)  # stays leased: the request is streaming
+                    else:
+                        self._unlease(node)
                     charged -= nb
                     stored[i] = True
                     nodes.append(node)
@@ -233,7 +284,122 @@ class ChunkStore(CacheHooks):
                 if writing is not None:  # the copy never finished: nothing may find it
                     self._unlease(writing)
                     cache.drop(writing, "removed")
+                self._maybe_wake_evictor()
         return stored
+
+    def _insert(self, key: ChunkKey, prev: int | None, position: int, access: Access, t_idx: int,
+                request: ActiveRequest | None) -> int | None:
+        """Inserts under the lock; when nothing can be evicted, cancels the lowest-priority
+        request in flight and tries again."""
+        cache = self._cache
+        guarded = self.tenants.any_guarantee
+        while True:
+            self._writer = t_idx
+            if guarded:
+                cache.res.guard = self._guard
+            try:
+                return cache.insert(key, NO_PARENT if prev is None else prev, position, access, raise_full=True)
+            except PoolFull:
+                victim = self._lowest_priority_request()
+                if victim is None:
+                    raise
+                self._cancel(victim)
+                if victim is request:
+                    raise RequestCancelled(victim.id, victim.tenant, victim.priority) from None
+            finally:
+                cache.res.guard = None
+                self._writer = -1
+
+    def _guard(self, node: int) -> bool:
+        """May a write by ``self._writer`` drop this node? Not when that would take another tenant
+        below its guaranteed share."""
+        owner = int(self._tenant[node])
+        if owner == self._writer or not self._ready[node]:
+            return True
+        reg = self.tenants
+        return reg.usage_of(owner) - int(self._nbytes[node]) >= reg.guarantee(owner)
+
+    # ------------------------------------------------------------------ requests in flight
+
+    def begin(self, tenant: str, keys: Sequence[ChunkKey] = (), priority: str | None = None) -> ActiveRequest:
+        """Registers a request in flight and leases the leading run of its chunks that the tenant
+        can see; they stay until ``end``. ``priority`` defaults to the tenant's class."""
+        t_idx = self.tenants.index(tenant)
+        rank = priority_rank(priority or self.tenants.by_index(t_idx).priority)
+        keys = [as_key(k) for k in keys]
+        with self._lock:
+            req = ActiveRequest(next(self._requests), tenant, rank, time.monotonic())
+            for k in keys:
+                node = self._visible(self._cache.index.get(k), t_idx)
+                if node is None:
+                    break
+                self._cache.res.leases[node] += 1
+                req.nodes.append(node)
+            self._active[req.id] = req
+        return req
+
+    def end(self, request: ActiveRequest) -> None:
+        """The request finished (or gave up): its chunks may be evicted again."""
+        with self._lock:
+            if self._active.pop(request.id, None) is not None:
+                for n in request.nodes:
+                    self._unlease(n)
+            request.nodes = []
+            self._maybe_wake_evictor()
+
+    def active_requests(self) -> list[ActiveRequest]:
+        with self._lock:
+            return list(self._active.values())
+
+    def _lowest_priority_request(self) -> ActiveRequest | None:
+        """The request to cancel when nothing else can be freed: the lowest priority class, and in
+        it the youngest (it has done the least work). Only requests that hold pages count."""
+        holding = [r for r in self._active.values() if r.nodes]
+        if not holding:
+            return None
+        return min(holding, key=lambda r: (r.priority, -r.started, -r.id))
+
+    def _cancel(self, request: ActiveRequest) -> None:
+        request.cancelled = True
+        del self._active[request.id]
+        for n in request.nodes:
+            self._unlease(n)
+        request.nodes = []
+        self.metrics.cancelled_requests.inc(1, request.tenant)
+
+    # ------------------------------------------------------------------ watermarks
+
+    def occupancy(self, tier: int = 0) -> float:
+        return self._cache.tier_used(tier) / max(self._cache.tier_pages[tier], 1)
+
+    def evict_to_low_watermark(self) -> int:
+        """Makes room in every tier above its high watermark until it is at its low one; returns
+        how many chunks moved down or left. What the background evictor runs."""
+        high, low = self.config.watermarks
+        done = 0
+        with self._lock:
+            for t in range(len(self._slabs)):
+                if self.occupancy(t) <= high:
+                    continue
+                while self.occupancy(t) > low:
+                    try:
+                        self._cache._make_room(t)
+                    except PoolFull:
+                        break
+                    done += 1
+        return done
+
+    def _maybe_wake_evictor(self) -> None:
+        if self._evictor is not None and self.occupancy(0) > self.config.watermarks[0]:
+            self._wake.notify()
+
+    def _evict_loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait(timeout=1.0)
+                if self._closing:
+                    return
+            self.evict_to_low_watermark()
 
     # ------------------------------------------------------------------ reads
 
@@ -434,6 +600,11 @@ class ChunkStore(CacheHooks):
             }
 
     def close(self) -> None:
+        if self._evictor is not None:
+            with self._wake:
+                self._closing = True
+                self._wake.notify()
+            self._evictor.join(timeout=5)
         with self._lock:
             assert not any(self._cache.res.leases), "closing a store with live leases"
             for s in self._slabs:

@@ -29,6 +29,10 @@ class Tenant:
     salt: bytes = b""
     quota_bytes: int = UNLIMITED
     priority: str = "normal"
+    # Instead of bytes, a share of the pool (a large customer 0.3, a small one 0.005).
+    quota_fraction: float | None = None
+    # Bytes no other tenant's writes can evict (a share of the pool, like quota_fraction).
+    guaranteed_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or len(self.id) > 128:
@@ -37,10 +41,18 @@ class Tenant:
             raise BadRequest(f"tenant {self.id!r}: quota_bytes must be an int >= 0, got {self.quota_bytes!r}")
         if self.priority not in PRIORITY_CLASSES:
             raise BadRequest(f"tenant {self.id!r}: priority must be one of {PRIORITY_CLASSES}, got {self.priority!r}")
+        for name in ("quota_fraction", "guaranteed_fraction"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
+                raise BadRequest(f"tenant {self.id!r}: {name} must be a fraction of the pool in [0, 1], got {v!r}")
         if self.salt == SHARED_SALT:
             raise BadRequest(f"tenant {self.id!r}: the shared salt is reserved; pick another salt")
         if not self.salt:
             object.__setattr__(self, "salt", b"tenant/" + self.id.encode())
+
+
+def priority_rank(priority: str) -> int:
+    return PRIORITY_CLASSES.index(priority)
 
 
 class TenantRegistry:
@@ -48,6 +60,7 @@ class TenantRegistry:
 
     def __init__(self, tenants: list[Tenant] | tuple[Tenant, ...] = ()) -> None:
         self._lock = threading.Lock()
+        self.pool_bytes = 0  # set by the store: what quota and guarantee fractions are of
         self._by_id: dict[str, int] = {}
         self._tenants: list[Tenant] = []
         self._usage = np.zeros(16, dtype=np.int64)
@@ -94,13 +107,30 @@ class TenantRegistry:
     def usage(self, tenant_id: str) -> int:
         return int(self._usage[self.index(tenant_id)])
 
+    def limit(self, idx: int) -> int:
+        t = self._tenants[idx]
+        if t.quota_fraction is not None:
+            return int(t.quota_fraction * self.pool_bytes)
+        return t.quota_bytes
+
+    def guarantee(self, idx: int) -> int:
+        return int(self._tenants[idx].guaranteed_fraction * self.pool_bytes)
+
+    @property
+    def any_guarantee(self) -> bool:
+        return any(t.guaranteed_fraction for t in self._tenants)
+
+    def usage_of(self, idx: int) -> int:
+        return int(self._usage[idx])
+
     def charge(self, idx: int, nbytes: int) -> None:
         """Adds ``nbytes`` to a tenant's usage, or raises QuotaExceeded (429) and changes nothing."""
         with self._lock:
             t = self._tenants[idx]
             used = int(self._usage[idx])
-            if used + nbytes > t.quota_bytes:
-                raise QuotaExceeded(t.id, used, t.quota_bytes, nbytes)
+            limit = self.limit(idx)
+            if used + nbytes > limit:
+                raise QuotaExceeded(t.id, used, limit, nbytes)
             self._usage[idx] = used + nbytes
 
     def refund(self, idx: int, nbytes: int) -> None:

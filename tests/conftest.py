@@ -12,9 +12,11 @@ from kvpool import ChunkStore, KVSpec, Namespace, StoreConfig, Tenant, TenantReg
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru", **params):
+def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru",
+               policy_params=None, **config):
     reg = TenantRegistry(tenants or [Tenant("a"), Tenant("b")])
-    return ChunkStore(StoreConfig(page_bytes, dram_pages, disk_pages, disk_dir, policy=policy, policy_params=params), reg)
+    cfg = StoreConfig(page_bytes, dram_pages, disk_pages, disk_dir, policy=policy, policy_params=policy_params or {}, **config)
+    return ChunkStore(cfg, reg)
 
 
 def make_keys(n, tenant_salt=b"t", seed=0, chunk_tokens=4):

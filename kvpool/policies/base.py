@@ -39,7 +39,7 @@ class Residency:
 
     __slots__ = (
         "capacity", "parent", "children", "leases", "pinned", "depth", "request", "tenant", "resident", "key",
-        "first_child", "next_sib", "prev_sib", "last_child", "lease_skips",
+        "first_child", "next_sib", "prev_sib", "last_child", "lease_skips", "guard",
     )
 
     def __init__(self, capacity: int) -> None:
@@ -60,6 +60,9 @@ class Residency:
         self.next_sib = [NO_PARENT] * capacity
         self.prev_sib = [NO_PARENT] * capacity
         self.lease_skips = 0  # eviction candidates passed over because they were leased
+        # Set by the owner while a write makes room: False for chunks it must not drop (another
+        # tenant's guaranteed share).
+        self.guard = None
 
     def add(self, slot: int, parent: int, depth: int, request: int, tenant: int, key: object = None) -> None:
         assert not self.resident[slot], slot
@@ -130,6 +133,8 @@ class Residency:
             if self.leases[s] or self.pinned[s]:
                 continue
             if self.children[s] == 0:
+                if self.guard is not None and not self.guard(s):
+                    continue
                 return s
             # push youngest first so the oldest child is explored first
             c = self.last_child[s]
@@ -172,7 +177,9 @@ class Policy(ABC):
         if res.leases[slot]:
             res.lease_skips += 1
             return False
-        return res.evictable(slot) if self.drops else res.movable(slot)
+        if not self.drops:
+            return res.movable(slot)
+        return res.evictable(slot) and (res.guard is None or res.guard(slot))
 
     def movable(self, slot: int) -> bool:
         """Leased or pinned chunks stay; a prefix of resident chunks may be named (the cache then
@@ -181,7 +188,9 @@ class Policy(ABC):
         if res.leases[slot]:
             res.lease_skips += 1
             return False
-        return not res.pinned[slot]
+        if res.pinned[slot]:
+            return False
+        return not self.drops or res.guard is None or res.guard(slot)
 
     def admit(self, position: int, access: Access) -> bool:
         """Whether to store the request's chunk at ``position`` (it was not resident)."""

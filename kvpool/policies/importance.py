@@ -82,8 +82,9 @@ class ImportancePolicy(Policy):
             return []
         movable = self.movable
         best, best_score = None, float("inf")
-        for _ in range(min(self.sample, n) * 2):
-            s = members[self.rng.randrange(n)]
+        # A cache no larger than the sample is scored whole: exact, and what the tests pin.
+        candidates = members if n <= self.sample else (members[self.rng.randrange(n)] for _ in range(2 * self.sample))
+        for s in candidates:
             if not movable(s):
                 continue
             sc = self.score(s)

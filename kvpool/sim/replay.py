@@ -20,6 +20,33 @@ def _tokens(req: SimRequest, nblocks: int) -> int:
     return sum(req.block_tokens(i) for i in range(nblocks))
 
 
+def serve(cache: TieredCache, blocks, run: list[int], access: Access) -> list[int]:
+    """One request: its resident prefix ``run`` is leased while it is in flight (and promoted to
+    the top tier), then the policy decides what of the rest to store, root to leaf, and hears of
+    the whole request once. Returns the request's resident nodes."""
+    res = cache.res
+    leases = res.leases
+    for n in run:
+        leases[n] += 1
+    if len(cache.tier_pages) > 1:
+        for n in run:
+            cache.promote(n)
+    nodes = list(run)
+    parent = run[-1] if run else NO_PARENT
+    insert = cache.insert
+    for pos in range(len(run), len(blocks)):
+        n = insert(blocks[pos], parent, pos, access)
+        if n is None:
+            break
+        nodes.append(n)
+        leases[n] -= 1  # written; the prefix rule holds it from now on
+        parent = n
+    cache.access(nodes, access)
+    for n in run:
+        leases[n] -= 1
+    return nodes
+
+
 def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int] | None = None,
            on_progress: Callable[[int], None] | None = None, **params) -> dict:
     """Runs ``trace`` through a TieredCache of ``capacity`` blocks (or the given tier sizes, top
@@ -33,7 +60,6 @@ def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int]
             tiers.append(max(1, capacity - sum(tiers)))
     sizes = tiers or [capacity]
     cache = TieredCache(sizes, lambda cap, res, t: make_policy(tier_policy, cap, res, **params))
-    res = cache.res
     hits = total = hit_tok = tot_tok = top_hits = 0
     t0 = time.perf_counter()
     for rid, req in enumerate(trace):
@@ -44,29 +70,9 @@ def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int]
         total += len(blocks)
         hit_tok += _tokens(req, h)
         tot_tok += req.input_tokens
-        leases = res.leases
-        for n in run:
-            leases[n] += 1  # the request is in flight: its chunks stay
         if len(sizes) > 1:
-            for n in run:
-                if cache.node_tier[n] == 0:
-                    top_hits += 1
-                else:
-                    cache.promote(n)
-        acc = Access(rid, req.time_s, len(blocks), req.full_blocks, h, req.tenant)
-        nodes = list(run)
-        parent = run[-1] if run else NO_PARENT
-        insert = cache.insert
-        for pos in range(h, len(blocks)):
-            n = insert(blocks[pos], parent, pos, acc)
-            if n is None:
-                break
-            nodes.append(n)
-            leases[n] -= 1  # written; the prefix rule holds it from now on
-            parent = n
-        cache.access(nodes, acc)
-        for n in run:
-            leases[n] -= 1
+            top_hits += sum(1 for n in run if cache.node_tier[n] == 0)
+        serve(cache, blocks, run, Access(rid, req.time_s, len(blocks), req.full_blocks, h, req.tenant))
         if on_progress is not None and rid % 1000 == 999:
             on_progress(1000)
     row = {
