@@ -79,14 +79,15 @@ class TieredCache:
 
     # ------------------------------------------------------------------ requests
 
-    def insert(self, key: Hashable, parent: int, position: int, access: Access, raise_full: bool = False) -> int | None:
+    def insert(self, key: Hashable, parent: int, position: int, access: Access, raise_full: bool = False,
+               admit: bool = True) -> int | None:
         """Stores a new chunk in the top tier; its node, or None when the policy does not admit it
         or nothing can be evicted (the caller stops storing this request: a suffix without its
         prefix is unreachable; with ``raise_full`` the latter raises PoolFull). The new node is
         leased (its bytes are not in place yet); the caller releases it when they are."""
         assert key not in self.index, key
         policy = self.policies[0]
-        if not policy.admit(position, access):
+        if admit and not policy.admit(position, access):
             self.counts["not_admitted"] += 1
             return None
         res = self.res
@@ -185,11 +186,13 @@ class TieredCache:
             page = alloc.alloc()
         return page
 
-    def _make_room(self, tier: int, attempts: int = 8) -> None:
+    def _make_room(self, tier: int) -> None:
         policy = self.policies[tier]
         res = self.res
         last = tier + 1 == len(self.pages)
-        for _ in range(attempts):
+        # Each failed attempt makes the policy skip one candidate, so one pass over the tier
+        # finds anything that can go.
+        for _ in range(self.tier_pages[tier] + 8):
             freed = False
             for v in policy.victims():
                 if self.node_tier[v] != tier:
@@ -197,11 +200,11 @@ class TieredCache:
                 if not policy.can_evict(v):
                     # A cold prefix with resident suffixes: its suffixes are colder still (every
                     # use of them used it), so they go first, leaves up.
-                    if not (last and res.movable(v) and res.children[v]):
+                    leaf = res.leaf_under(v) if last and res.movable(v) and res.children[v] else None
+                    if leaf is None or self.node_tier[leaf] != tier:
+                        policy.skip(v)
                         break
-                    v = res.leaf_under(v)
-                    if v is None or self.node_tier[v] != tier:
-                        break
+                    v = leaf
                 if last:
                     self.counts["evicted"] += 1
                     self.drop(v, "evicted")

@@ -41,6 +41,16 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_concurrency(args: argparse.Namespace) -> int:
+    from kvpool.bench import concurrency
+
+    setup = concurrency.Setup(hbm_gib=args.hbm_gib, horizon_s=args.horizon)
+    policies = None if args.policy == "all" else args.policy.split(",")
+    result = concurrency.run(setup, policies, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else concurrency.format_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -71,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--trials", type=int, default=7)
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_bench_store)
+    bc = bsub.add_parser("concurrency", help="most concurrent sessions each eviction strategy sustains")
+    bc.add_argument("--hbm-gib", type=float, default=16.0, help="GPU memory for KV (default 16)")
+    bc.add_argument("--horizon", type=float, default=600.0, help="simulated seconds per trial (default 600)")
+    bc.add_argument("--policy", default="all")
+    bc.add_argument("--json", action="store_true")
+    bc.set_defaults(func=_bench_concurrency)
     return p
 
 

@@ -39,3 +39,17 @@ def snapshot(store):
 @pytest.fixture
 def tmp_disk(tmp_path):
     return str(tmp_path)
+
+
+SHARED_DATA = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+def shared_data(*parts):
+    """A file of ../shared/data, or a skip outside CI when the folder is absent (in CI a missing
+    file is a failure: the data is part of the project's test setup)."""
+    path = os.path.join(SHARED_DATA, *parts)
+    if not os.path.exists(path):
+        if IN_CI:
+            pytest.fail(f"{path} is missing; CI runs with ../shared beside the checkout")
+        pytest.skip(f"{path} is absent (outside CI)")
+    return path

@@ -234,3 +234,10 @@ def test_sim_reproduces_published_lru_and_belady_shapes_on_a_generated_workload(
 
     assert lru <= belady(trace, 500)["hit_rate"] <= infinite(trace)["hit_rate"]
     assert ours >= lru
+
+
+def test_the_pools_default_is_our_adaptive_policy():
+    from kvpool.policies import policy_class
+    from kvpool.policies.adaptive import AdaptivePolicy
+
+    assert policy_class("default") is AdaptivePolicy

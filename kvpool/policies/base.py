@@ -212,6 +212,10 @@ class Policy(ABC):
         """Slots to evict now, leaf first; each ``can_evict`` when its turn comes (the cache stops at
         the first that is not). Empty when nothing can go (the cache then refuses the write)."""
 
+    def skip(self, slot: int) -> None:
+        """The cache could not evict ``slot`` or anything under it just now (its suffix is in use):
+        do not offer it first again. Queue policies rotate it; scanning ones need nothing."""
+
     def on_pin(self, slot: int) -> bool:
         """An operator asks to pin ``slot``; True if pinned. Only zoned policies pin."""
         return False

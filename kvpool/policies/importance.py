@@ -81,14 +81,21 @@ class ImportancePolicy(Policy):
         if n == 0:
             return []
         movable = self.movable
-        best, best_score = None, float("inf")
         # A cache no larger than the sample is scored whole: exact, and what the tests pin.
-        candidates = members if n <= self.sample else (members[self.rng.randrange(n)] for _ in range(2 * self.sample))
+        if n <= self.sample:
+            candidates = members
+        else:
+            rand = self.rng.random
+            candidates = [members[int(rand() * n)] for _ in range(self.sample)]
+        # Inlined score(): this loop is the policy's hot path.
+        clock, tau, hits, last, att, gen = self.clock, self.tau, self.hits, self.last, self.attention, self.generated
+        depth, cost, gw = self.res.depth, self.attention_cost, self.generated_weight
+        best, best_score = None, float("inf")
         for s in candidates:
-            if not movable(s):
-                continue
-            sc = self.score(s)
-            if sc < best_score:
+            sc = (1 + hits[s]) / (1 + (clock - last[s]) / tau) * (1 + depth[s] * cost) * (0.5 + att[s])
+            if gen[s]:
+                sc *= gw
+            if sc < best_score and movable(s):
                 best, best_score = s, sc
         if best is None:  # every sample leased or pinned: look at all
             best = next((s for s in members if movable(s)), None)

@@ -27,6 +27,9 @@ class S3FifoPolicy(Policy):
         self.ghost: OrderedDict[object, None] = OrderedDict()
         self.pending: list[int] = []
         self.size = 0
+        # Candidates the cache could not use since the last removal, per queue: once a queue has
+        # gone all the way round, the other queue gives victims.
+        self.stuck = [0, 0]
 
     def on_insert(self, slot: int, position: int, access: Access | None) -> None:
         self.freq[slot] = 0
@@ -52,12 +55,19 @@ class S3FifoPolicy(Policy):
         self.pending.clear()
 
     def on_remove(self, slot: int) -> None:
+        self.stuck[0] = self.stuck[1] = 0
         q = self.lists.remove(slot)
         if q == -1 and slot in self.pending:
             self.pending.remove(slot)
         elif q == SMALL and self.freq[slot] == 0:
             self._remember(slot)
         self.size -= 1
+
+    def skip(self, slot: int) -> None:
+        q = self.lists.where[slot]
+        if q >= 0:
+            self.stuck[q] += 1
+            self.lists.move_to_tail(q, slot)
 
     def _remember(self, slot: int) -> None:
         self.ghost[self.res.key[slot]] = None
@@ -76,11 +86,14 @@ class S3FifoPolicy(Policy):
             if n_small + n_main == 0:
                 return []
             q = SMALL if n_small and (n_small >= self.small_target() or not n_main) else MAIN
+            if self.stuck[q] >= lists.size(q) and lists.size(1 - q):
+                q = 1 - q
             s = lists.head(q)
             if not self.movable(s):
                 # NOTE: a chunk that cannot go now (leased, pinned) goes round again; O(1). A
                 # prefix of resident chunks is returned all the same: the cache evicts its
                 # suffix's leaves first.
+                self.stuck[q] += 1
                 lists.move_to_tail(q, s)
                 continue
             if freq[s] > 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from kvpool.errors import BadRequest
 from kvpool.policies import DEFAULT_POLICY, policy_names
@@ -48,22 +50,53 @@ def load(trace: str | None, workload: str | None, requests: int | None, seed: in
     return os.path.basename(path), load_mooncake(path, limit=requests)
 
 
+_TRACE: list[SimRequest] = []  # the trace, inherited by forked workers instead of pickled
+
+
+def _one(task: tuple[str, str, int]) -> dict:
+    kind, policy, cap = task
+    if kind == "belady":
+        return belady(_TRACE, cap)
+    return replay(_TRACE, policy, cap)
+
+
 def simulate(reqs: list[SimRequest], source: str, policies: list[str], capacities: list[int],
-             progress: bool = True, with_belady: bool = True) -> list[dict]:
-    rows: list[dict] = []
+             progress: bool = True, with_belady: bool = True, workers: int | None = None) -> list[dict]:
+    """Every (policy, capacity) pair, plus infinite and Belady, in parallel over the machine's
+    cores (each pair is independent)."""
+    global _TRACE
+    tasks = [("policy", p, c) for c in capacities for p in policies]
+    if with_belady:
+        tasks += [("belady", "belady", c) for c in capacities]
+    workers = workers or min(len(tasks), os.cpu_count() or 1)
+    _TRACE = reqs
+    results: dict[tuple[str, str, int], dict] = {}
+    try:
+        with Progress(len(tasks), "kvpool sim", enabled=progress) as bar:
+            if workers <= 1 or "fork" not in mp.get_all_start_methods():
+                for t in tasks:
+                    results[t] = _one(t)
+                    bar.advance(note=f"{t[1]} @ {t[2]}")
+            else:
+                with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as ex:
+                    futs = {ex.submit(_one, t): t for t in tasks}
+                    for f in as_completed(futs):
+                        t = futs[f]
+                        results[t] = f.result()
+                        bar.advance(note=f"{t[1]} @ {t[2]}")
+    finally:
+        _TRACE = []
     inf = infinite(reqs)
-    ticks = len(policies) * len(capacities) * max(1, len(reqs) // 1000) + (len(capacities) if with_belady else 0)
-    with Progress(ticks, "kvpool sim", enabled=progress) as bar:
-        for cap in capacities:
-            for pol in policies:
-                row = replay(reqs, pol, cap, on_progress=lambda n: bar.advance(n // 1000, note=f"{pol} @ {cap}"))
-                row["source"] = source
-                row["default"] = pol == DEFAULT_POLICY
-                rows.append(row)
-            rows.append({**inf, "capacity": cap, "source": source})
-            if with_belady:
-                rows.append({**belady(reqs, cap), "source": source})
-                bar.advance(1, note=f"belady @ {cap}")
+    rows: list[dict] = []
+    for cap in capacities:
+        for pol in policies:
+            row = results[("policy", pol, cap)]
+            row["source"] = source
+            row["default"] = pol == DEFAULT_POLICY
+            rows.append(row)
+        rows.append({**inf, "capacity": cap, "source": source})
+        if with_belady:
+            rows.append({**results[("belady", "belady", cap)], "source": source})
     return rows
 
 
@@ -103,7 +136,8 @@ def plot(rows: list[dict], path: str) -> None:
     for r in rows:
         if r["policy"] not in names:
             names.append(r["policy"])
-    colors = iter(plt.cm.tab10.colors + plt.cm.Dark2.colors)
+    gray = plt.cm.tab10.colors[7]  # kept for the reference lines
+    colors = iter([c for c in plt.cm.tab10.colors if c != gray] + list(plt.cm.Dark2.colors))
     for n in names:
         pts = sorted((r["capacity"], r["hit_rate"]) for r in rows if r["policy"] == n)
         style = {"infinite": dict(ls=":", color="black"), "belady": dict(ls="--", color="dimgray")}.get(n)
