@@ -212,6 +212,25 @@ class Policy(ABC):
         """Slots to evict now, leaf first; each ``can_evict`` when its turn comes (the cache stops at
         the first that is not). Empty when nothing can go (the cache then refuses the write)."""
 
+    def chain_tail(self, chains) -> list[int]:
+        """For group policies: the evictable end of the first chain that has one, leaf first.
+        A chain is one request's chunks, root to leaf; the run stops at the first chunk that is
+        leased, pinned, guarded, or has a child outside the run (a suffix of another request)."""
+        res = self.res
+        for chain in chains:
+            out: list[int] = []
+            expect = 0  # children a chunk may have: only the one already chosen below it
+            for s in reversed(chain):
+                if res.leases[s] or res.pinned[s]:
+                    break
+                if self.drops and (res.children[s] != expect or (res.guard is not None and not res.guard(s))):
+                    break
+                out.append(s)
+                expect = 1
+            if out:
+                return out
+        return []
+
     def skip(self, slot: int) -> None:
         """The cache could not evict ``slot`` or anything under it just now (its suffix is in use):
         do not offer it first again. Queue policies rotate it; scanning ones need nothing."""

@@ -51,18 +51,7 @@ class RequestFifoPolicy(Policy):
             del self.groups[rid]
 
     def victims(self) -> list[int]:
-        res = self.res
-        for g in self.groups.values():
-            out: list[int] = []
-            expect = 0  # children a chunk may have: only the one already chosen below it
-            for s in reversed(g):
-                if res.leases[s] or res.pinned[s] or (self.drops and res.children[s] != expect):
-                    break
-                out.append(s)
-                expect = 1
-            if out:
-                return out
-        return []
+        return self.chain_tail(self.groups.values())
 
 
 class RequestLruPolicy(RequestFifoPolicy):

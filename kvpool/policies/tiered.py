@@ -143,18 +143,7 @@ class TieredPolicy(Policy):
         return self._window_victims()
 
     def _window_victims(self) -> list[int]:
-        res = self.res
-        for ctx in self.contexts.values():
-            out: list[int] = []
-            expect = 0
-            for s in reversed(ctx):
-                if res.leases[s] or res.pinned[s] or (self.drops and res.children[s] != expect):
-                    break
-                out.append(s)
-                expect = 1
-            if out:
-                return out
-        return []
+        return self.chain_tail(self.contexts.values())
 
     def stats(self) -> dict:
         return {"pinned": self.lists.size(PINNED), "lru": self.lists.size(LRU), "window": self.lists.size(WINDOW),
