@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpool.health import HealthMonitor
 from kvpool.pool import LocalPool
 from kvpool.progress import Progress
 from kvpool.spec import KVSpec
@@ -83,6 +84,7 @@ def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool =
     ct = SPEC.chunk_tokens
     per_tenant = {n: {"requests": 0, "tokens": 0, "hit_tokens": 0, "cold_s": 0.0, "warm_s": 0.0} for n in names}
     verified = 0
+    monitor = HealthMonitor(pool.store)
     with Progress(len(reqs), "demo", enabled=progress) as bar:
         for r in reqs:
             t0 = time.perf_counter()
@@ -113,8 +115,11 @@ def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool =
             s["cold_s"] += cold
             s["warm_s"] += warm
             bar.advance(note=r.tenant)
+    health = monitor.sample()
     stats = pool.store.stats()
-    return {"tenants": per_tenant, "verified_chunks": verified, "store": stats, "spec": SPEC.to_dict()}
+    return {"tenants": per_tenant, "verified_chunks": verified, "store": stats, "spec": SPEC.to_dict(),
+            "health": [{"figure": v.figure, "value": v.value, "ok": v.ok} for v in health["verdicts"]],
+            "health_lines": [str(v) for v in health["verdicts"]]}
 
 
 def format_report(result: dict) -> str:
@@ -140,6 +145,10 @@ def format_report(result: dict) -> str:
         f"checksum failures {sum(m['checksum_failures'].values()):.0f}",
         "per tenant: " + ", ".join(f"{t} {v['bytes'] / 2**20:.1f} MiB" for t, v in st["tenants"].items()),
         f"verified: {result['verified_chunks']} loaded chunks equal their recomputation exactly",
+        f"policy: {st['policy']} {st['policy_stats']}",
+        "",
+        "health (this run; a cold start is not warm traffic, so a low hit rate is expected here):",
+        *("  " + line for line in result["health_lines"]),
     ]
     return "\n".join(lines)
 
