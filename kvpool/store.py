@@ -553,6 +553,19 @@ class ChunkStore(CacheHooks):
             return None
         return self.tier_names[self._cache.node_tier[node]], self._cache.node_page[node]
 
+    def index_entries(self, shard: str) -> list:
+        """What this store holds, as index entries of ``shard``: what it publishes, and what it
+        republishes when the index is rebuilt (reconcile)."""
+        from kvpool.index.base import IndexEntry
+
+        with self._lock:
+            c = self._cache
+            return [
+                IndexEntry(key, shard, self.tier_names[c.node_tier[n]], int(self._nbytes[n]),
+                           self.tenants.by_index(int(self._tenant[n])).id, int(self._checksum[n]))
+                for key, n in c.index.items() if self._ready[n]
+            ]
+
     def slab(self, tier: str) -> Slab:
         for s in self._slabs:
             if s.tier == tier:

@@ -53,3 +53,82 @@ def shared_data(*parts):
             pytest.fail(f"{path} is missing; CI runs with ../shared beside the checkout")
         pytest.skip(f"{path} is absent (outside CI)")
     return path
+
+
+def redis_reachable(host="127.0.0.1", port=6379) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def redis_url():
+    """The machine's Redis (127.0.0.1:6379). Missing: a failure in CI, a skip elsewhere."""
+    if not redis_reachable():
+        if IN_CI:
+            pytest.fail("no Redis at 127.0.0.1:6379; this machine kind starts one before CI")
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    return "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OwnRedis:
+    """A redis-server of the test's own on a free port, to kill and restart."""
+
+    def __init__(self, tmp, *extra):
+        import shutil
+
+        if shutil.which("redis-server") is None:
+            if IN_CI:
+                pytest.fail("redis-server is not on PATH; this machine kind has it")
+            pytest.skip("redis-server is not on PATH")
+        self.port = free_port()
+        self.tmp = str(tmp)
+        self.extra = list(extra)
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self):
+        import subprocess
+        import time
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.tmp, *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while not redis_reachable(port=self.port):
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def restart(self):
+        self.kill()
+        self.start()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    r = OwnRedis(tmp_path)
+    yield r
+    r.kill()

@@ -1,0 +1,176 @@
+"""EmbeddedIndex: the index contract in-process, for one machine with no server to run.
+
+Same semantics as RedisIndex, TTL membership and quotas included, under one lock (the way SQLite
+stands in for a server database).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from kvpool.errors import BadRequest, QuotaExceeded, UnknownTenant
+from kvpool.index.base import (
+    MAX_LOOKUP, MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_keys, check_name, check_priority,
+    check_quota,
+)
+from kvpool.keys import ChunkKey
+from kvpool.tenants import UNLIMITED
+
+
+class EmbeddedIndex(Index):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_events: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._entries: dict[ChunkKey, IndexEntry] = {}
+        self._by_shard: dict[str, set[ChunkKey]] = {}
+        self._shards: dict[str, tuple[str, float]] = {}  # shard -> (address, heartbeat deadline)
+        self._tenants: dict[str, list] = {}  # id -> [usage, quota, priority]
+        self._events: deque[Event] = deque(maxlen=max_events)
+        self._seq = itertools.count(1)
+
+    # ---------------------------------------------------------------- tenants
+    def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
+        check_name("tenant", tenant)
+        quota, priority = check_quota(quota), check_priority(priority)
+        with self._lock:
+            t = self._tenants.setdefault(tenant, [0, quota, priority])
+            t[1], t[2] = quota, priority
+
+    def set_quota(self, tenant: str, quota: int) -> None:
+        quota = check_quota(quota)
+        with self._lock:
+            self._tenant(tenant)[1] = quota
+
+    def set_priority(self, tenant: str, priority: str) -> None:
+        priority = check_priority(priority)
+        with self._lock:
+            self._tenant(tenant)[2] = priority
+
+    def tenants(self) -> list[TenantInfo]:
+        with self._lock:
+            return [TenantInfo(k, v[0], v[1], v[2]) for k, v in sorted(self._tenants.items())]
+
+    def _tenant(self, tenant: str) -> list:
+        t = self._tenants.get(tenant)
+        if t is None:
+            raise UnknownTenant(tenant)
+        return t
+
+    # ---------------------------------------------------------------- chunks
+    def publish(self, entries: Sequence[IndexEntry]) -> list[bool]:
+        entries = list(entries)
+        for e in entries:
+            if not isinstance(e, IndexEntry):
+                raise BadRequest(f"publish takes IndexEntry objects, got {type(e).__name__}")
+        with self._lock:
+            charge: dict[str, int] = {}
+            fresh: list[bool] = []
+            seen: set[ChunkKey] = set()
+            for e in entries:
+                if e.shard not in self._shards:
+                    raise BadRequest(f"unknown shard {e.shard!r}: register it before publishing")
+                self._tenant(e.tenant)
+                new = e.key not in self._entries and e.key not in seen
+                seen.add(e.key)
+                fresh.append(new)
+                if new:
+                    charge[e.tenant] = charge.get(e.tenant, 0) + e.nbytes
+            for tenant, nbytes in charge.items():
+                usage, quota, _ = self._tenants[tenant]
+                if usage + nbytes > quota:
+                    raise QuotaExceeded(tenant, usage, quota, nbytes)
+            now = time.time()
+            for e, new in zip(entries, fresh):
+                if not new:
+                    continue
+                if not e.created:
+                    e = IndexEntry(e.key, e.shard, e.tier, e.nbytes, e.tenant, e.checksum, now)
+                self._entries[e.key] = e
+                self._by_shard.setdefault(e.shard, set()).add(e.key)
+                self._tenants[e.tenant][0] += e.nbytes
+                self._events.append(Event(f"{next(self._seq)}-0", "stored", e.key, e.shard, e.tenant))
+            return fresh
+
+    def remove(self, keys: Sequence[ChunkKey], shard: str | None = None) -> int:
+        keys = check_keys(keys)
+        with self._lock:
+            return sum(self._remove(k, shard) for k in keys)
+
+    def _remove(self, key: ChunkKey, shard: str | None) -> bool:
+        e = self._entries.get(key)
+        if e is None or (shard is not None and e.shard != shard):
+            return False
+        del self._entries[key]
+        self._by_shard[e.shard].discard(key)
+        t = self._tenants.get(e.tenant)
+        if t is not None:
+            t[0] -= e.nbytes
+        self._events.append(Event(f"{next(self._seq)}-0", "removed", key, e.shard, e.tenant))
+        return True
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
+        try:
+            keys = check_keys(keys[:MAX_LOOKUP] if len(keys) > MAX_LOOKUP else keys)
+        except BadRequest as e:
+            return PrefixHit(0, error=str(e))
+        shards, tiers = [], []
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is None:
+                    break
+                shards.append(e.shard)
+                tiers.append(e.tier)
+        return PrefixHit(len(shards), tuple(shards), tuple(tiers)) if shards else MISS
+
+    def get(self, key: ChunkKey) -> IndexEntry | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    # ---------------------------------------------------------------- membership
+    def register_shard(self, shard: str, address: str = "", ttl_s: float = 10.0) -> None:
+        check_name("shard id", shard)
+        with self._lock:
+            self._shards[shard] = (address, self._clock() + ttl_s)
+
+    def heartbeat(self, shard: str, ttl_s: float = 10.0) -> None:
+        with self._lock:
+            if shard not in self._shards:
+                raise BadRequest(f"unknown shard {shard!r}: register it first")
+            self._shards[shard] = (self._shards[shard][0], self._clock() + ttl_s)
+
+    def shards(self) -> dict[str, bool]:
+        now = self._clock()
+        with self._lock:
+            return {s: deadline > now for s, (_, deadline) in sorted(self._shards.items())}
+
+    def purge_dead(self) -> dict[str, int]:
+        now = self._clock()
+        out: dict[str, int] = {}
+        with self._lock:
+            for s, (_, deadline) in list(self._shards.items()):
+                if deadline > now:
+                    continue
+                keys = list(self._by_shard.pop(s, set()))
+                self._by_shard[s] = set(keys)
+                out[s] = sum(self._remove(k, s) for k in keys)
+                del self._by_shard[s]
+                del self._shards[s]
+        return out
+
+    def shard_keys(self, shard: str) -> set[ChunkKey]:
+        with self._lock:
+            return set(self._by_shard.get(shard, ()))
+
+    # ---------------------------------------------------------------- events
+    def events(self, after: str = "0-0", count: int = 1000) -> list[Event]:
+        try:
+            n = int(after.split("-")[0])
+        except (ValueError, AttributeError):
+            raise BadRequest(f"event id {after!r} is malformed: pass an id from a previous event, or '0-0'") from None
+        with self._lock:
+            return [e for e in self._events if int(e.id.split("-")[0]) > n][:count]

@@ -1,0 +1,239 @@
+"""RedisIndex: the index contract on a Redis server, for a cluster of shards.
+
+- Connection by URL: ``redis://[user:password@]host:port/db``, ``rediss://`` for TLS, ACL users.
+- Every call has a timeout. Writes retry with exponential backoff, then raise ``Unavailable``
+  (503). Reads (lookup, get) never raise: on any failure they answer a miss, and for ``backoff``
+  seconds after one they answer a miss without trying (a breaker), so a dead Redis costs a
+  request at most one timeout, not one per call.
+- Every multi-key step is one Lua script (kvpool.index.redis_lua): publish+charge and
+  remove+refund are atomic, so racing writers never overrun a quota.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from kvpool.errors import BadRequest, QuotaExceeded, Unavailable, UnknownTenant
+from kvpool.index.base import (
+    MAX_LOOKUP, MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_keys, check_name, check_priority,
+    check_quota, location,
+)
+from kvpool.index.redis_keys import Keys
+from kvpool.index.redis_lua import PUBLISH, REMOVE
+from kvpool.keys import ChunkKey
+from kvpool.tenants import UNLIMITED
+
+log = logging.getLogger("kvpool.index")
+_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class RedisIndex(Index):
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvp", timeout_s: float = 1.0,
+                 read_timeout_s: float = 0.25, backoff_s: float = 0.5, max_events: int = 100_000) -> None:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise BadRequest(f"index URL {redact(url)!r} must start with redis://, rediss:// or unix://")
+        check_name("index prefix", prefix)
+        self.url = redact(url)
+        self.keys = Keys(prefix)
+        self._prefix = prefix
+        self._maxlen = str(max_events)
+        retry = Retry(ExponentialBackoff(cap=timeout_s, base=0.05), retries=3)
+        self._w = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                       retry=retry, retry_on_error=list(_ERRORS))
+        self._r = redis.Redis.from_url(url, socket_timeout=read_timeout_s, socket_connect_timeout=read_timeout_s,
+                                       retry=Retry(ExponentialBackoff(), retries=0))
+        self._publish = self._w.register_script(PUBLISH)
+        self._remove = self._w.register_script(REMOVE)
+        self._backoff = backoff_s
+        self._down_until = 0.0
+        self.read_errors = 0
+
+    # ---------------------------------------------------------------- plumbing
+    def _write(self, what: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except _ERRORS as e:
+            raise Unavailable(f"index at {self.url} did not answer ({what}): {type(e).__name__}; "
+                              "the write was not applied, retry later") from None
+
+    def _read(self, fn, *args):
+        """A read that never raises: (result, None) or (None, error text)."""
+        now = time.monotonic()
+        if now < self._down_until:
+            return None, "index unavailable (backing off)"
+        try:
+            return fn(*args), None
+        except _ERRORS as e:
+            self.read_errors += 1
+            self._down_until = now + self._backoff
+            log.warning("index at %s: read failed (%s); answering misses for %.1fs", self.url, type(e).__name__,
+                        self._backoff)
+            return None, f"index unavailable: {type(e).__name__}"
+
+    def ping(self) -> bool:
+        ok, _ = self._read(self._r.ping)
+        return bool(ok)
+
+    # ---------------------------------------------------------------- tenants
+    def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
+        check_name("tenant", tenant)
+        quota, priority = check_quota(quota), check_priority(priority)
+        pipe = self._w.pipeline(transaction=True)
+        pipe.hsetnx(self.keys.tenant(tenant), "usage", 0)
+        pipe.hset(self.keys.tenant(tenant), mapping={"quota": quota, "priority": priority})
+        pipe.sadd(self.keys.tenants, tenant)
+        self._write("add_tenant", pipe.execute)
+
+    def _require_tenant(self, tenant: str) -> None:
+        if not self._write("tenant", self._w.exists, self.keys.tenant(tenant)):
+            raise UnknownTenant(tenant)
+
+    def set_quota(self, tenant: str, quota: int) -> None:
+        quota = check_quota(quota)
+        self._require_tenant(tenant)
+        self._write("set_quota", self._w.hset, self.keys.tenant(tenant), "quota", quota)
+
+    def set_priority(self, tenant: str, priority: str) -> None:
+        priority = check_priority(priority)
+        self._require_tenant(tenant)
+        self._write("set_priority", self._w.hset, self.keys.tenant(tenant), "priority", priority)
+
+    def tenants(self) -> list[TenantInfo]:
+        ids = sorted(t.decode() for t in self._write("tenants", self._w.smembers, self.keys.tenants))
+        pipe = self._w.pipeline(transaction=False)
+        for t in ids:
+            pipe.hmget(self.keys.tenant(t), "usage", "quota", "priority")
+        rows = self._write("tenants", pipe.execute)
+        return [TenantInfo(t, int(u or 0), int(q or UNLIMITED), (p or b"normal").decode())
+                for t, (u, q, p) in zip(ids, rows)]
+
+    # ---------------------------------------------------------------- chunks
+    def publish(self, entries: Sequence[IndexEntry]) -> list[bool]:
+        entries = list(entries)
+        if not entries:
+            return []
+        argv: list[object] = [self._prefix, self._maxlen]
+        for e in entries:
+            if not isinstance(e, IndexEntry):
+                raise BadRequest(f"publish takes IndexEntry objects, got {type(e).__name__}")
+            argv += [bytes(e.key), e.encode(), e.tenant, e.nbytes, e.shard]
+        res = self._write("publish", self._publish, args=argv)
+        code = int(res[0])
+        if code == -1:
+            raise QuotaExceeded(res[1].decode(), int(float(res[2])), int(float(res[3])), int(float(res[4])))
+        if code == -2:
+            raise BadRequest(f"unknown shard {res[1].decode()!r}: register it before publishing")
+        if code == -3:
+            raise UnknownTenant(res[1].decode())
+        return [bool(x) for x in res[1:]]
+
+    def remove(self, keys: Sequence[ChunkKey], shard: str | None = None) -> int:
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        argv = [self._prefix, self._maxlen, shard or "", *(bytes(k) for k in keys)]
+        return int(self._write("remove", self._remove, args=argv))
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
+        try:
+            keys = check_keys(keys[:MAX_LOOKUP] if len(keys) > MAX_LOOKUP else keys)
+        except BadRequest as e:
+            return PrefixHit(0, error=str(e))
+        if not keys:
+            return MISS
+        chunk = self.keys.chunk
+        raw, err = self._read(self._r.mget, [chunk(k) for k in keys])
+        if raw is None:
+            return PrefixHit(0, error=err)
+        shards, tiers = [], []
+        for v in raw:
+            if v is None:
+                break
+            s, t = location(v)
+            shards.append(s)
+            tiers.append(t)
+        return PrefixHit(len(shards), tuple(shards), tuple(tiers)) if shards else MISS
+
+    def get(self, key: ChunkKey) -> IndexEntry | None:
+        (key,) = check_keys([key])
+        raw, _ = self._read(self._r.get, self.keys.chunk(key))
+        return None if raw is None else IndexEntry.decode(key, raw)
+
+    # ---------------------------------------------------------------- membership
+    def register_shard(self, shard: str, address: str = "", ttl_s: float = 10.0) -> None:
+        check_name("shard id", shard)
+        pipe = self._w.pipeline(transaction=True)
+        pipe.hset(self.keys.shards, shard, address)
+        pipe.set(self.keys.heartbeat(shard), 1, px=max(1, int(ttl_s * 1000)))
+        self._write("register_shard", pipe.execute)
+
+    def heartbeat(self, shard: str, ttl_s: float = 10.0) -> None:
+        if not self._write("heartbeat", self._w.hexists, self.keys.shards, shard):
+            raise BadRequest(f"unknown shard {shard!r}: register it first")
+        self._write("heartbeat", self._w.set, self.keys.heartbeat(shard), 1, px=max(1, int(ttl_s * 1000)))
+
+    def shards(self) -> dict[str, bool]:
+        ids = sorted(s.decode() for s in self._write("shards", self._w.hkeys, self.keys.shards))
+        if not ids:
+            return {}
+        alive = self._write("shards", self._w.mget, [self.keys.heartbeat(s) for s in ids])
+        return {s: a is not None for s, a in zip(ids, alive)}
+
+    def purge_dead(self, batch: int = 512) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for shard, alive in self.shards().items():
+            if alive:
+                continue
+            n = 0
+            members = list(self._write("purge", self._w.smembers, self.keys.shard_set(shard)))
+            for i in range(0, len(members), batch):
+                argv = [self._prefix, self._maxlen, shard, *members[i : i + batch]]
+                n += int(self._write("purge", self._remove, args=argv))
+            pipe = self._w.pipeline(transaction=True)
+            pipe.hdel(self.keys.shards, shard)
+            pipe.delete(self.keys.shard_set(shard))
+            self._write("purge", pipe.execute)
+            out[shard] = n
+            log.info("index: purged dead shard %s (%d entries)", shard, n)
+        return out
+
+    def shard_keys(self, shard: str) -> set[ChunkKey]:
+        return {ChunkKey(k) for k in self._write("shard_keys", self._w.smembers, self.keys.shard_set(shard))}
+
+    # ---------------------------------------------------------------- events
+    def events(self, after: str = "0-0", count: int = 1000) -> list[Event]:
+        if not isinstance(after, str) or not after.replace("-", "").isdigit():
+            raise BadRequest(f"event id {after!r} is malformed: pass an id from a previous event, or '0-0'")
+        rows = self._write("events", self._w.xrange, self.keys.events, min=f"({after}", count=count)
+        out = []
+        for eid, f in rows:
+            out.append(Event(eid.decode(), f[b"kind"].decode(), ChunkKey(f[b"key"]), f[b"shard"].decode(),
+                             f[b"tenant"].decode()))
+        return out
+
+    def flush(self) -> None:
+        """Deletes every key of this pool's prefix (tests, and `kvpool down --purge`)."""
+        for k in self._write("flush", lambda: list(self._w.scan_iter(match=f"{self._prefix}:*", count=1000))):
+            self._write("flush", self._w.delete, k)
+
+    def close(self) -> None:
+        self._w.close()
+        self._r.close()

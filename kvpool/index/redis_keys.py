@@ -1,0 +1,39 @@
+"""The Redis key scheme of the index, in one place. ``{p}`` is the pool's prefix (default "kvp"),
+so several pools can share one Redis.
+
+| key | type | holds |
+|---|---|---|
+| ``{p}:c:<16-byte chunk key>`` | string | ``shard \\0 tier \\0 msgpack([nbytes, tenant, checksum, created])`` |
+| ``{p}:s:<shard>`` | set | the chunk keys a shard holds (for purge and reconcile) |
+| ``{p}:shards`` | hash | shard id -> address |
+| ``{p}:hb:<shard>`` | string with TTL | the shard's heartbeat; gone = the shard is dead |
+| ``{p}:t:<tenant>`` | hash | ``usage``, ``quota`` (bytes), ``priority`` |
+| ``{p}:tenants`` | set | tenant ids |
+| ``{p}:events`` | stream | ``kind`` stored/removed, ``key``, ``shard``, ``tenant`` |
+
+The Lua scripts build the same names from the prefix (they are written for one Redis server,
+not Redis Cluster: a publish touches many hash slots).
+"""
+
+from __future__ import annotations
+
+
+class Keys:
+    def __init__(self, prefix: str = "kvp") -> None:
+        self.prefix = prefix
+        self._c = f"{prefix}:c:".encode()
+        self.shards = f"{prefix}:shards"
+        self.tenants = f"{prefix}:tenants"
+        self.events = f"{prefix}:events"
+
+    def chunk(self, key: bytes) -> bytes:
+        return self._c + key
+
+    def shard_set(self, shard: str) -> str:
+        return f"{self.prefix}:s:{shard}"
+
+    def heartbeat(self, shard: str) -> str:
+        return f"{self.prefix}:hb:{shard}"
+
+    def tenant(self, tenant: str) -> str:
+        return f"{self.prefix}:t:{tenant}"

@@ -1,0 +1,77 @@
+"""The index's multi-key steps as Lua scripts, so each is atomic on the Redis server."""
+
+# ARGV: prefix, events maxlen, then five per entry: chunk key, encoded value, tenant, nbytes, shard.
+# Returns {0, fresh...} or an error tuple: {-1, tenant, usage, quota, requested} over quota,
+# {-2, shard} unknown shard, {-3, tenant} unknown tenant. Nothing is written on an error.
+PUBLISH = r"""
+local p = ARGV[1]
+local maxlen = ARGV[2]
+local n = (#ARGV - 2) / 5
+local charge, order, fresh, seen = {}, {}, {}, {}
+for i = 0, n - 1 do
+  local b = 3 + i * 5
+  local k, tenant, nb, shard = ARGV[b], ARGV[b + 2], tonumber(ARGV[b + 3]), ARGV[b + 4]
+  if redis.call('HEXISTS', p .. ':shards', shard) == 0 then return {-2, shard} end
+  if redis.call('EXISTS', p .. ':t:' .. tenant) == 0 then return {-3, tenant} end
+  if seen[k] or redis.call('EXISTS', p .. ':c:' .. k) == 1 then
+    fresh[i + 1] = 0
+  else
+    fresh[i + 1] = 1
+    seen[k] = true
+    if not charge[tenant] then charge[tenant] = 0; order[#order + 1] = tenant end
+    charge[tenant] = charge[tenant] + nb
+  end
+end
+for _, tenant in ipairs(order) do
+  local t = redis.call('HMGET', p .. ':t:' .. tenant, 'usage', 'quota')
+  local usage, quota = tonumber(t[1] or '0'), tonumber(t[2])
+  if usage + charge[tenant] > quota then
+    return {-1, tenant, tostring(usage), tostring(t[2]), tostring(charge[tenant])}
+  end
+end
+for i = 0, n - 1 do
+  if fresh[i + 1] == 1 then
+    local b = 3 + i * 5
+    redis.call('SET', p .. ':c:' .. ARGV[b], ARGV[b + 1])
+    redis.call('SADD', p .. ':s:' .. ARGV[b + 4], ARGV[b])
+    redis.call('XADD', p .. ':events', 'MAXLEN', '~', maxlen, '*',
+               'kind', 'stored', 'key', ARGV[b], 'shard', ARGV[b + 4], 'tenant', ARGV[b + 2])
+  end
+end
+for _, tenant in ipairs(order) do
+  redis.call('HINCRBY', p .. ':t:' .. tenant, 'usage', charge[tenant])
+end
+local out = {0}
+for i = 1, n do out[i + 1] = fresh[i] end
+return out
+"""
+
+# ARGV: prefix, events maxlen, shard filter ('' for any), then chunk keys. Returns how many went.
+REMOVE = r"""
+local p = ARGV[1]
+local maxlen = ARGV[2]
+local only = ARGV[3]
+local removed = 0
+for i = 4, #ARGV do
+  local k = ARGV[i]
+  local v = redis.call('GET', p .. ':c:' .. k)
+  if v then
+    local a = string.find(v, '\0', 1, true)
+    local shard = string.sub(v, 1, a - 1)
+    if only == '' or only == shard then
+      local b = string.find(v, '\0', a + 1, true)
+      local rest = cmsgpack.unpack(string.sub(v, b + 1))
+      local nb, tenant = rest[1], rest[2]
+      redis.call('DEL', p .. ':c:' .. k)
+      redis.call('SREM', p .. ':s:' .. shard, k)
+      if redis.call('EXISTS', p .. ':t:' .. tenant) == 1 then
+        redis.call('HINCRBY', p .. ':t:' .. tenant, 'usage', -nb)
+      end
+      redis.call('XADD', p .. ':events', 'MAXLEN', '~', maxlen, '*',
+                 'kind', 'removed', 'key', k, 'shard', shard, 'tenant', tenant)
+      removed = removed + 1
+    end
+  end
+end
+return removed
+"""
