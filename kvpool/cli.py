@@ -51,6 +51,79 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
     return 0
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "10GiB", "500 MB"."""
+    import re
+
+    from kvpool.errors import BadRequest
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _SIZE_UNITS:
+        raise BadRequest(f"size {text!r} is not a number of bytes like 1073741824, 10GiB or 500MB")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def _index_from(args: argparse.Namespace):
+    import os
+
+    from kvpool.errors import BadRequest
+    from kvpool.index import open_index
+
+    url = args.redis or os.environ.get("KVPOOL_REDIS_URL")
+    if not url:
+        raise BadRequest("tenants live in the pool's index: pass --redis URL (or set KVPOOL_REDIS_URL); "
+                         "the embedded index exists only inside a running pool process")
+    return open_index(url)
+
+
+def _tenants(args: argparse.Namespace) -> int:
+    from kvpool.errors import UnknownTenant
+
+    idx = _index_from(args)
+    if args.action == "list":
+        rows = idx.tenants()
+        if args.json:
+            print(json.dumps([{"tenant": t.id, "usage": t.usage, "quota": t.quota, "priority": t.priority} for t in rows]))
+        else:
+            print(f"{'tenant':<24}{'usage B':>16}{'quota B':>22}{'used':>8}  priority")
+            for t in rows:
+                print(f"{t.id:<24}{t.usage:>16}{t.quota:>22}{t.usage / t.quota if t.quota else 0:>8.1%}  {t.priority}")
+    elif args.action == "usage":
+        (tenant,) = args.args or [None]
+        if tenant is None:
+            raise SystemExit("usage: kvpool tenants usage TENANT")
+        print(idx.usage(tenant))
+    elif args.action == "set-quota":
+        if len(args.args) != 2:
+            raise SystemExit("usage: kvpool tenants set-quota TENANT BYTES")
+        tenant, size = args.args[0], parse_size(args.args[1])
+        try:
+            idx.set_quota(tenant, size)
+            print(f"{tenant}: quota {size} B")
+        except UnknownTenant:
+            idx.add_tenant(tenant, size)
+            print(f"{tenant}: new tenant, quota {size} B")
+    elif args.action == "set-priority":
+        if len(args.args) != 2:
+            raise SystemExit("usage: kvpool tenants set-priority TENANT low|normal|high")
+        idx.set_priority(args.args[0], args.args[1])
+        print(f"{args.args[0]}: priority {args.args[1]}")
+    return 0
+
+
+def _bench_index(args: argparse.Namespace) -> int:
+    from kvpool.bench import index
+
+    result = index.run(args.redis, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else index.format_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity")
     s.set_defaults(func=_sim)
 
+    t = sub.add_parser("tenants", help="list tenants, their usage, and set quotas and priorities")
+    t.add_argument("action", choices=["list", "usage", "set-quota", "set-priority"])
+    t.add_argument("args", nargs="*", help="TENANT [BYTES|CLASS]")
+    t.add_argument("--redis", help="the index's URL (default: $KVPOOL_REDIS_URL)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_tenants)
+
     b = sub.add_parser("bench", help="benchmarks, each beside its baseline in the same run")
     bsub = b.add_subparsers(dest="bench", required=True)
     bs = bsub.add_parser("store", help="key hashing and chunk-store put/get vs a plain copy")
@@ -87,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--policy", default="all")
     bc.add_argument("--json", action="store_true")
     bc.set_defaults(func=_bench_concurrency)
+    bi = bsub.add_parser("index", help="prefix lookup latency and publish throughput vs a plain MGET")
+    bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    bi.add_argument("--json", action="store_true")
+    bi.set_defaults(func=_bench_index)
     return p
 
 

@@ -147,3 +147,48 @@ def test_redact_hides_passwords_only():
     assert redact("redis://u:p4ss@h:1/0") == "redis://u:***@h:1/0"
     assert redact("rediss://:p4ss@h/0") == "rediss://:***@h/0"
     assert redact("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_tls_connection_with_rediss(tmp_path):
+    import shutil
+    import subprocess
+
+    from conftest import IN_CI, free_port, redis_reachable
+
+    if shutil.which("openssl") is None:
+        if IN_CI:
+            pytest.fail("openssl is not on PATH")
+        pytest.skip("openssl is not on PATH")
+    d = str(tmp_path)
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True, cwd=d)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvpool-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+        "-out", "server.csr")
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "1", "-extfile", "san.ext", "-out", "server.crt")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--tls-cert-file", f"{d}/server.crt", "--tls-key-file", f"{d}/server.key", "--tls-ca-cert-file",
+         f"{d}/ca.crt", "--tls-auth-clients", "no", "--dir", d],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not redis_reachable(port=port):
+            assert time.monotonic() < deadline, "TLS redis-server did not start"
+            time.sleep(0.02)
+        idx = RedisIndex(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={d}/ca.crt")
+        idx.add_tenant("a")
+        idx.register_shard("s1")
+        k = make_keys(1)[0]
+        idx.publish([IndexEntry(k, "s1", "dram", 10, "a", 1)])
+        assert idx.lookup([k]).count == 1
+        plain = RedisIndex(f"redis://127.0.0.1:{port}/0", timeout_s=0.3, read_timeout_s=0.3)
+        with pytest.raises(Unavailable):  # a plain-text client cannot talk to the TLS port
+            plain.add_tenant("b")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -78,11 +78,6 @@ class IndexEntry:
         return cls(key, shard.decode(), tier.decode(), nbytes, tenant, checksum, created)
 
 
-def location(raw: bytes) -> tuple[str, str]:
-    shard, tier, _ = raw.split(b"\0", 2)
-    return shard.decode(), tier.decode()
-
-
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """The leading run of a prompt's keys that the index holds, and where each one is."""
@@ -120,6 +115,8 @@ class ReconcileResult:
 
 
 def check_keys(keys: Sequence[object]) -> list[ChunkKey]:
+    if all(type(k) is ChunkKey for k in keys):  # the common case, without a call per key
+        return list(keys)
     return [as_key(k) for k in keys]
 
 

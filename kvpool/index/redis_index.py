@@ -23,7 +23,7 @@ from redis.retry import Retry
 from kvpool.errors import BadRequest, QuotaExceeded, Unavailable, UnknownTenant
 from kvpool.index.base import (
     MAX_LOOKUP, MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_keys, check_name, check_priority,
-    check_quota, location,
+    check_quota,
 )
 from kvpool.index.redis_keys import Keys
 from kvpool.index.redis_lua import PUBLISH, REMOVE
@@ -64,6 +64,7 @@ class RedisIndex(Index):
         self._remove = self._w.register_script(REMOVE)
         self._backoff = backoff_s
         self._down_until = 0.0
+        self._names: dict[bytes, str] = {}
         self.read_errors = 0
 
     # ---------------------------------------------------------------- plumbing
@@ -164,12 +165,13 @@ class RedisIndex(Index):
         if raw is None:
             return PrefixHit(0, error=err)
         shards, tiers = [], []
+        names = self._names  # b"shard" -> "shard": a pool has few shards and tiers; decode each once
         for v in raw:
             if v is None:
                 break
-            s, t = location(v)
-            shards.append(s)
-            tiers.append(t)
+            s, t, _ = v.split(b"\0", 2)
+            shards.append(names.get(s) or names.setdefault(s, s.decode()))
+            tiers.append(names.get(t) or names.setdefault(t, t.decode()))
         return PrefixHit(len(shards), tuple(shards), tuple(tiers)) if shards else MISS
 
     def get(self, key: ChunkKey) -> IndexEntry | None:
