@@ -46,6 +46,7 @@ class Slab:
         self.num_pages = num_pages
         self.buf = buf
         self._closer = closer
+        self.path: str | None = None  # set for a named, shareable slab
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +82,11 @@ class Slab:
         return cls("dram", page_bytes, num_pages, np.empty(total, dtype=np.uint8))
 
     @classmethod
-    def mapped_file(cls, tier: str, directory: str, page_bytes: int, num_pages: int) -> "Slab":
+    def mapped_file(cls, tier: str, directory: str, page_bytes: int, num_pages: int,
+                    name: str | None = None) -> "Slab":
+        """A slab in a memory-mapped file under ``directory``. Anonymous (unlinked at once, so a
+        crash leaves nothing) unless ``name`` is given: then the file stays at ``path`` until the
+        slab is closed, so other processes of the same node can map it (``Slab.attach``)."""
         total = _check_sizes(tier, page_bytes, num_pages)
         if not os.path.isdir(directory):
             raise BadRequest(f"{tier} tier: directory {directory!r} does not exist: create it or pick another")
@@ -91,13 +96,42 @@ class Slab:
                 f"{tier} tier of {total} B does not fit in the {free} B free under {directory!r}: "
                 f"lower num_pages or pick another directory"
             )
-        fd, path = tempfile.mkstemp(prefix="kvpool-", suffix=".kvslab", dir=directory)
+        if name is None:
+            fd, path = tempfile.mkstemp(prefix="kvpool-", suffix=".kvslab", dir=directory)
+        else:
+            path = os.path.join(directory, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, max(total, 1))
             mm = mmap.mmap(fd, max(total, 1))
         finally:
             os.close(fd)
-            os.unlink(path)  # NOTE: the mapping keeps the file alive; a crash leaves nothing behind
+            if name is None:
+                os.unlink(path)  # NOTE: the mapping keeps the file alive; a crash leaves nothing behind
+        slab = cls._over(tier, page_bytes, num_pages, mm, total, unlink=None if name is None else path)
+        slab.path = None if name is None else path
+        return slab
+
+    @classmethod
+    def attach(cls, path: str, page_bytes: int, num_pages: int, tier: str = "dram") -> "Slab":
+        """Maps another process's named slab (same node): reads and writes go straight to its pages."""
+        total = _check_sizes(tier, page_bytes, num_pages)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise BadRequest(f"cannot map the slab {path!r} ({e.strerror}): is the shard on this node running?") from None
+        try:
+            if os.fstat(fd).st_size < total:
+                raise BadRequest(f"slab {path!r} is smaller than {num_pages} x {page_bytes} B: wrong shard?")
+            mm = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        slab = cls._over(tier, page_bytes, num_pages, mm, total, unlink=None)
+        slab.path = path
+        return slab
+
+    @classmethod
+    def _over(cls, tier: str, page_bytes: int, num_pages: int, mm: mmap.mmap, total: int, unlink: str | None) -> "Slab":
         buf = np.frombuffer(mm, dtype=np.uint8)[:total]
 
         def close() -> None:
@@ -107,5 +141,10 @@ class Slab:
                 mm.close()
             except BufferError:  # a view is still alive somewhere; the GC unmaps it later
                 pass
+            if unlink is not None:
+                try:
+                    os.unlink(unlink)
+                except FileNotFoundError:
+                    pass
 
         return cls(tier, page_bytes, num_pages, buf, closer=close)

@@ -49,6 +49,10 @@ class StoreConfig:
     disk_pages: int = 0
     disk_dir: str | None = None
     pin_memory: bool | None = None  # None: pin when CUDA is present
+    # Put the DRAM slab in a named file under this directory (e.g. /dev/shm) so that clients on
+    # the same node map it and read and write pages directly (reserve/commit, lease_reads).
+    dram_dir: str | None = None
+    name: str = "store"
     policy: str = "default"
     policy_params: dict = field(default_factory=dict)
     # Background eviction: starts when a tier is fuller than high_watermark, stops at
@@ -129,6 +133,28 @@ class ChunkView(Lease):
         self.data = data
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a chunk's bytes are in the DRAM slab, for a process that maps it (same node)."""
+
+    key: ChunkKey
+    offset: int
+    nbytes: int
+    checksum: int = 0
+
+
+@dataclass(slots=True)
+class _Hold:
+    kind: str  # "read" | "write"
+    nodes: list[int]
+    deadline: float
+    t_idx: int = -1
+    sizes: list[int] = field(default_factory=list)
+    shared: bool = False
+    charged: int = 0
+    access: Access | None = None
+
+
 class ChunkStore(CacheHooks):
     def __init__(
         self, config: StoreConfig, tenants: TenantRegistry | None = None, metrics: Metrics | None = None
@@ -137,7 +163,11 @@ class ChunkStore(CacheHooks):
         self.tenants = tenants if tenants is not None else TenantRegistry()
         self.metrics = metrics if metrics is not None else Metrics()
         self._lock = threading.Lock()
-        self._slabs = [Slab.dram(config.page_bytes, config.dram_pages, config.pin_memory)]
+        if config.dram_dir:
+            self._slabs = [Slab.mapped_file("dram", config.dram_dir, config.page_bytes, config.dram_pages,
+                                            name=f"kvpool-{config.name}-dram.kvslab")]
+        else:
+            self._slabs = [Slab.dram(config.page_bytes, config.dram_pages, config.pin_memory)]
         if config.disk_pages:
             self._slabs.append(Slab.mapped_file("disk", config.disk_dir, config.page_bytes, config.disk_pages))
         self.tier_names = [s.tier for s in self._slabs]
@@ -156,6 +186,7 @@ class ChunkStore(CacheHooks):
         self._doomed = np.zeros(n, dtype=np.bool_)  # removed while leased: dropped at last release
         self._requests = itertools.count(1)
         self._active: dict[int, ActiveRequest] = {}
+        self._holds: dict[int, _Hold] = {}  # reservations and read leases of other processes
         self._writer = -1  # tenant index of the write making room now (for guaranteed shares)
         self.tenants.pool_bytes = sum(s.nbytes for s in self._slabs)
         for s in self._slabs:
@@ -318,6 +349,154 @@ class ChunkStore(CacheHooks):
             return True
         reg = self.tenants
         return reg.usage_of(owner) - int(self._nbytes[node]) >= reg.guarantee(owner)
+
+    # ------------------------------------------------------------------ other processes' copies
+
+    def reserve(self, keys: Sequence[ChunkKey], sizes: Sequence[int], tenant: str, *, shared: bool = False,
+                parent: ChunkKey | None = None, first_position: int = 0, ttl_s: float = 30.0
+                ) -> tuple[int, list[Placement]]:
+        """Makes room for consecutive chunks that another process on this node will copy into the
+        DRAM slab itself: a hold id and a placement per new chunk, in order (chunks already
+        resident are skipped; the run stops where the policy declines). The quota is charged now
+        (429 changes nothing); ``commit`` makes the chunks findable, ``abort`` (or ``ttl_s``
+        without a commit) gives the pages back."""
+        t_idx = self.tenants.index(tenant)
+        keys = [as_key(k) for k in keys]
+        if len(keys) != len(sizes) or len(set(keys)) != len(keys):
+            raise BadRequest("reserve needs one size per key and distinct keys")
+        for n in sizes:
+            if not isinstance(n, int) or not 0 < n <= self.config.page_bytes:
+                raise ChunkTooLarge(f"a chunk of {n} B does not fit a page of {self.config.page_bytes} B")
+        cache = self._cache
+        with self._lock:
+            new_bytes = sum(n for k, n in zip(keys, sizes) if k not in cache.index)
+            try:
+                self.tenants.charge(t_idx, new_bytes)
+            except QuotaExceeded:
+                self.metrics.rejected_quota.inc(1, tenant)
+                raise
+            access = Access(next(self._requests), time.monotonic(), first_position + len(keys),
+                            first_position + len(keys), first_position)
+            hold = _Hold("write", [], time.monotonic() + ttl_s, t_idx, [], shared, new_bytes, access)
+            hid = next(self._requests)
+            self._holds[hid] = hold
+            out: list[Placement] = []
+            prev = self._visible(cache.index.get(parent), t_idx) if parent is not None else None
+            try:
+                for i, (k, n) in enumerate(zip(keys, sizes)):
+                    node = cache.index.get(k)
+                    if node is not None:
+                        if self._visible(node, t_idx) is None:
+                            break
+                        prev = node
+                        continue
+                    node = self._insert(k, prev, first_position + i, access, t_idx, None)
+                    if node is None:
+                        break
+                    self._nbytes[node] = n
+                    hold.nodes.append(node)
+                    hold.sizes.append(n)
+                    out.append(Placement(k, cache.node_page[node] * self.config.page_bytes, n))
+                    prev = node
+            except BaseException:
+                self._end_hold(hid)
+                raise
+            unused = new_bytes - sum(hold.sizes)
+            if unused:
+                self.tenants.refund(t_idx, unused)
+                hold.charged -= unused
+        return hid, out
+
+    def commit(self, hold_id: int, checksums: Sequence[int]) -> int:
+        """The copies of a reservation are done: its first ``len(checksums)`` chunks become findable
+        with these checksums (computed by the writer as it copied); the rest are given back."""
+        with self._lock:
+            hold = self._holds.get(hold_id)
+            if hold is None or hold.kind != "write":
+                raise BadRequest(f"no reservation {hold_id}: it was committed, aborted or expired (ttl)")
+            tenant = self.tenants.by_index(hold.t_idx).id
+            done = []
+            for node, nb, cs in zip(hold.nodes, hold.sizes, checksums):
+                self._checksum[node] = int(cs)
+                self._tenant[node] = hold.t_idx
+                self._shared[node] = hold.shared
+                self._ready[node] = True
+                hold.charged -= nb
+                done.append(node)
+                self.metrics.puts.inc(1, tenant)
+                self.metrics.put_bytes.inc(nb, tenant)
+            self._cache.access(done, hold.access)
+            self._end_hold(hold_id)
+            return len(done)
+
+    def abort(self, hold_id: int) -> None:
+        with self._lock:
+            self._end_hold(hold_id)
+
+    def lease_reads(self, keys: Sequence[ChunkKey], tenant: str, ttl_s: float = 30.0) -> tuple[int, list[Placement]]:
+        """Leases the leading run of chunks for another process on this node to copy out of the
+        DRAM slab (promoting disk hits first); a hold id and a placement per chunk, with the
+        checksum the reader verifies. ``release`` (or ``ttl_s``) ends the lease."""
+        t_idx = self.tenants.index(tenant)
+        keys = [as_key(k) for k in keys]
+        with self._lock:
+            hold = _Hold("read", [], time.monotonic() + ttl_s)
+            out: list[Placement] = []
+            c = self._cache
+            for k in keys:
+                node = self._acquire_for_read(k, t_idx)
+                if node is None:
+                    break
+                if c.node_tier[node] != 0:  # could not be promoted: not mappable, stop the run
+                    self._unlease(node)
+                    break
+                hold.nodes.append(node)
+                out.append(Placement(k, c.node_page[node] * self.config.page_bytes, int(self._nbytes[node]),
+                                     int(self._checksum[node])))
+            self._touch(hold.nodes)
+            hid = next(self._requests)
+            self._holds[hid] = hold
+            m = self.metrics
+            if out:
+                m.hits_chunks.inc(len(out), tenant)
+                m.get_bytes.inc(sum(p.nbytes for p in out), tenant)
+            if len(keys) > len(out):
+                m.misses_chunks.inc(1, tenant)  # the run ends at the first miss
+        return hid, out
+
+    def release(self, hold_id: int, corrupt: Sequence[ChunkKey] = ()) -> None:
+        """Ends a read lease; ``corrupt`` names chunks whose bytes failed the reader's check (they
+        are dropped, as a local read would)."""
+        with self._lock:
+            hold = self._holds.get(hold_id)
+            if hold is None:
+                return
+            bad = set(corrupt)
+            for node in hold.nodes:
+                if self._cache.node_key[node] in bad:
+                    self._corrupt(node)
+            self._end_hold(hold_id)
+
+    def expire_holds(self, now: float | None = None) -> int:
+        """Ends holds whose owner never came back (a client that died); the shard calls this."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [h for h, hold in self._holds.items() if hold.deadline < now]
+            for h in stale:
+                self._end_hold(h)
+            return len(stale)
+
+    def _end_hold(self, hold_id: int) -> None:
+        hold = self._holds.pop(hold_id, None)
+        if hold is None:
+            return
+        for node in hold.nodes:
+            ready = self._ready[node]
+            self._unlease(node)
+            if hold.kind == "write" and not ready:
+                self._cache.drop(node, "removed")
+        if hold.kind == "write" and hold.charged:
+            self.tenants.refund(hold.t_idx, hold.charged)
 
     # ------------------------------------------------------------------ requests in flight
 
