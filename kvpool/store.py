@@ -187,6 +187,8 @@ class ChunkStore(CacheHooks):
         self._requests = itertools.count(1)
         self._active: dict[int, ActiveRequest] = {}
         self._holds: dict[int, _Hold] = {}  # reservations and read leases of other processes
+        self._gone: list[ChunkKey] = []  # findable chunks that left since take_gone(): the index forgets them
+        self.track_gone = False  # a shard that publishes to an index turns this on
         self._writer = -1  # tenant index of the write making room now (for guaranteed shares)
         self.tenants.pool_bytes = sum(s.nbytes for s in self._slabs)
         for s in self._slabs:
@@ -732,17 +734,25 @@ class ChunkStore(CacheHooks):
             return None
         return self.tier_names[self._cache.node_tier[node]], self._cache.node_page[node]
 
-    def index_entries(self, shard: str) -> list:
-        """What this store holds, as index entries of ``shard``: what it publishes, and what it
-        republishes when the index is rebuilt (reconcile)."""
+    def take_gone(self) -> list[ChunkKey]:
+        """Chunks that were findable and are not any more (evicted, removed, corrupt) since the
+        last call: what the shard removes from the index."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+            return gone
+
+    def index_entries(self, shard: str, keys: Sequence[ChunkKey] | None = None) -> list:
+        """What this store holds (of ``keys``, or all), as index entries of ``shard``: what it
+        publishes, and what it republishes when the index is rebuilt (reconcile)."""
         from kvpool.index.base import IndexEntry
 
         with self._lock:
             c = self._cache
+            pairs = c.index.items() if keys is None else ((k, c.index.get(k)) for k in keys)
             return [
                 IndexEntry(key, shard, self.tier_names[c.node_tier[n]], int(self._nbytes[n]),
                            self.tenants.by_index(int(self._tenant[n])).id, int(self._checksum[n]))
-                for key, n in c.index.items() if self._ready[n]
+                for key, n in pairs if n is not None and self._ready[n]
             ]
 
     def slab(self, tier: str) -> Slab:
@@ -826,6 +836,8 @@ class ChunkStore(CacheHooks):
             self.metrics.checksum_failures.inc(1, name)
         if self._ready[node]:
             self.tenants.refund(int(self._tenant[node]), int(self._nbytes[node]))
+            if self.track_gone:
+                self._gone.append(self._cache.node_key[node])
         self._ready[node] = False
         self._doomed[node] = False
         self._nbytes[node] = 0

@@ -11,6 +11,10 @@ from kvpool import ChunkStore, KVSpec, Namespace, StoreConfig, Tenant, TenantReg
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# NOTE: keeps every Ray node of the tests on the loopback address (Ray otherwise picks the
+# machine's outbound interface); must be set before Ray starts.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru",
                policy_params=None, **config):

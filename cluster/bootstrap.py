@@ -1,0 +1,77 @@
+"""Starting and stopping a pool on a Ray cluster: an index (Redis, or the embedded one in an
+actor), the controller, and one shard on every alive node, pinned there."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.cluster.controller import CONTROLLER, Controller
+from kvpool.cluster.index_actor import INDEX_ACTOR, IndexActor
+from kvpool.cluster.shard import ShardActor, shard_name
+
+log = logging.getLogger("kvpool.bootstrap")
+
+
+def shard_id_of(node_id: str) -> str:
+    return f"node-{node_id[:12]}"
+
+
+def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | None = None,
+       index_url: str | None = None, namespace: str | None = None, ttl_s: float = 5.0,
+       controller_interval_s: float = 1.0, timeout_s: float = 120.0) -> dict:
+    """Places what is missing (idempotent: run it again after nodes join). Ray must be initialized."""
+    store = store or {"page_bytes": 32 << 20, "dram_pages": 16}
+    tenants = tenants or [{"id": "default"}]
+    # The control plane (and the embedded index) stays on this node, the one running `kvpool up`
+    # (the head, normally): a worker node that leaves must not take them along.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    if not index_url:
+        IndexActor.options(name=INDEX_ACTOR, namespace=namespace, get_if_exists=True, lifetime="detached",
+                           scheduling_strategy=here).remote()
+    controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True, lifetime="detached",
+                                    scheduling_strategy=here).remote(pool, index_url, controller_interval_s)
+    known = ray.get(controller.state.remote(), timeout=timeout_s)["shards"]
+    started = []
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        sid = shard_id_of(node["NodeID"])
+        if sid in known:
+            continue
+        h = ShardActor.options(
+            name=shard_name(pool, sid), namespace=namespace, get_if_exists=True, lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote(sid, pool, store, tenants, index_url, ttl_s)
+        started.append((sid, h))
+    for sid, h in started:
+        info = ray.get(h.info.remote(), timeout=timeout_s)
+        ray.get(controller.register.remote(sid, info), timeout=timeout_s)
+        log.info("kvpool: shard %s on node %s", sid, info["node_id"][:12])
+    return ray.get(controller.state.remote(), timeout=timeout_s)
+
+
+def down(pool: str = "default", namespace: str | None = None, timeout_s: float = 30.0) -> int:
+    """Drains every shard (their entries leave the index) and stops the pool's actors."""
+    n = 0
+    try:
+        controller = ray.get_actor(CONTROLLER, namespace=namespace)
+        shards = ray.get(controller.state.remote(), timeout=timeout_s)["shards"]
+    except ValueError:
+        return 0
+    for sid in shards:
+        try:
+            h = ray.get_actor(shard_name(pool, sid), namespace=namespace)
+            ray.get(h.drain.remote(), timeout=timeout_s)
+            ray.kill(h)
+            n += 1
+        except Exception as e:  # noqa: BLE001 - a dead shard has nothing to drain
+            log.warning("kvpool down: shard %s: %s", sid, e)
+    ray.kill(controller)
+    try:
+        ray.kill(ray.get_actor(INDEX_ACTOR, namespace=namespace))
+    except ValueError:
+        pass
+    return n

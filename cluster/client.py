@@ -1,0 +1,222 @@
+"""PoolClient: what connectors call. Batched lookup, put and get over every shard of the pool.
+
+- ``lookup`` asks the index (one round trip) how many leading chunks exist and where.
+- ``put`` places new chunks with the ring (bounded load) and talks to each owner in parallel;
+  ``get`` reads from wherever the index says a chunk is, so data placed before a ring change
+  is still found.
+- A shard on this node is reached through its shared-memory slab: the bytes are copied once,
+  straight into or out of its pages, and verified (transport ``shm``). Other shards are reached
+  through Ray (transport ``ray``).
+- Every call has a timeout; a failed, slow or dead shard makes its chunks misses (the engine
+  recomputes), never an exception on the read path and never a hang. A chunk the index lists but
+  its shard does not have is removed from the index (``invalidate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import ray
+
+from kvpool.buffers import as_byte_array
+from kvpool.checksum import copy_with_checksum
+from kvpool.cluster.controller import CONTROLLER
+from kvpool.cluster.ring import HashRing
+from kvpool.cluster.shard import shard_name
+from kvpool.errors import KvPoolError
+from kvpool.index import PrefixHit, open_index
+from kvpool.keys import ChunkKey
+from kvpool.slab import Slab
+
+log = logging.getLogger("kvpool.client")
+_RAY_FAIL = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+             ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError)
+
+
+class PoolClient:
+    def __init__(self, pool: str = "default", index_url: str | None = None, timeout_s: float = 2.0,
+                 namespace: str | None = None, refresh: bool = True) -> None:
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.namespace = namespace
+        self.controller = ray.get_actor(CONTROLLER, namespace=namespace)
+        if index_url:
+            self.index = open_index(index_url)
+        else:
+            from kvpool.cluster.index_actor import ActorIndex
+
+            self.index = ActorIndex(timeout_s=timeout_s, namespace=namespace)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._handles: dict[str, object] = {}
+        self._slabs: dict[str, Slab] = {}
+        self._loads: Counter[str] = Counter()
+        self._apply(ray.get(self.controller.state.remote(), timeout=30))
+        self._stop = threading.Event()
+        if refresh:
+            threading.Thread(target=self._follow, daemon=True, name="kvpool-ring").start()
+
+    # ---------------------------------------------------------------- ring and shards
+    def _apply(self, state: dict) -> None:
+        ring = HashRing.from_dict(state["ring"])
+        handles, slabs = {}, {}
+        for sid, info in state["shards"].items():
+            handles[sid] = self._handles.get(sid) or ray.get_actor(shard_name(self.pool, sid), namespace=self.namespace)
+            if info["node_id"] == self.node_id and info.get("slab"):
+                slabs[sid] = self._slabs.get(sid) or Slab.attach(info["slab"], info["page_bytes"], info["dram_pages"])
+        with self._lock:
+            self.ring, self.shards, self._handles, self._slabs = ring, state["shards"], handles, slabs
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                state = ray.get(self.controller.wait.remote(self.ring.version, 5.0), timeout=15)
+                if state["version"] != self.ring.version:
+                    self._apply(state)
+            except BaseException as e:  # noqa: BLE001 - keep following; the data path does not depend on it
+                if self._stop.is_set() or isinstance(e, (SystemExit, KeyboardInterrupt)):
+                    return  # closing, or Ray is shutting down
+                log.warning("client: ring refresh failed (%s); retrying", type(e).__name__)
+                self._stop.wait(1.0)
+
+    def refresh(self) -> None:
+        self._apply(ray.get(self.controller.state.remote(), timeout=self.timeout_s))
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ---------------------------------------------------------------- lookups
+    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
+        return self.index.lookup(keys)
+
+    # ---------------------------------------------------------------- writes
+    def put(self, tenant: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
+            first_position: int = 0) -> int:
+        """Stores chunks on their owners; how many were stored. Failures are logged and counted,
+        not raised (a chunk not stored is a future miss), except a tenant's own 429."""
+        arrays = [as_byte_array(p) for p in payloads]
+        groups: dict[str, list[int]] = {}
+        with self._lock:
+            for i, k in enumerate(keys):
+                (owner,) = self.ring.place(bytes(k), self._loads)
+                self._loads[owner] += 1
+                groups.setdefault(owner, []).append(i)
+        stored = 0
+        pending = []
+        for sid, idx in groups.items():
+            ks = [bytes(keys[i]) for i in idx]
+            if sid in self._slabs:
+                stored += self._put_local(sid, tenant, ks, [arrays[i] for i in idx], shared, first_position + idx[0])
+            else:
+                ref = self._handles[sid].put.remote(ks, [arrays[i] for i in idx], tenant, shared, None,
+                                                    first_position + idx[0])
+                pending.append((sid, ref))
+        for sid, ref in pending:
+            try:
+                stored += ray.get(ref, timeout=self.timeout_s)
+                self.counts["put_ray"] += 1
+            except KvPoolError as e:
+                if e.status == 429:
+                    raise
+                self.counts["put_failed"] += 1
+            except _RAY_FAIL as e:
+                self.counts["put_failed"] += 1
+                log.warning("client: put to shard %s failed (%s)", sid, type(e).__name__)
+        return stored
+
+    def _put_local(self, sid: str, tenant: str, keys: list[bytes], arrays: list[np.ndarray], shared: bool,
+                   first_position: int) -> int:
+        h = self._handles[sid]
+        try:
+            hid, places = ray.get(h.reserve.remote(keys, [a.shape[0] for a in arrays], tenant, shared, None,
+                                                   first_position), timeout=self.timeout_s)
+        except _RAY_FAIL:
+            self.counts["put_failed"] += 1
+            return 0
+        buf = self._slabs[sid].buf
+        by_key = dict(zip(keys, arrays))
+        sums, committed = [], []
+        for key, off, nb in places:
+            sums.append(copy_with_checksum(buf[off : off + nb], by_key[key]))
+            committed.append(key)
+        try:
+            n = ray.get(h.commit.remote(hid, committed, sums), timeout=self.timeout_s)
+            self.counts["put_shm"] += 1
+            return n
+        except _RAY_FAIL:
+            self.counts["put_failed"] += 1
+            return 0
+
+    # ---------------------------------------------------------------- reads
+    def get(self, tenant: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None) -> list[np.ndarray]:
+        """The leading run of chunks, each verified, from wherever they are. Never raises on a
+        shard's failure: the run just ends there."""
+        hit = hit if hit is not None else self.index.lookup(keys)
+        n = hit.count
+        if n == 0:
+            return []
+        by_shard: dict[str, list[int]] = {}
+        for i in range(n):
+            by_shard.setdefault(hit.shards[i], []).append(i)
+        got: dict[int, np.ndarray] = {}
+        remote = []
+        for sid, idx in by_shard.items():
+            ks = [bytes(keys[i]) for i in idx]
+            handle = self._handles.get(sid)
+            if handle is None:
+                continue  # the shard left the ring: its chunks are misses
+            if sid in self._slabs:
+                got.update(self._get_local(sid, tenant, ks, idx))
+            else:
+                remote.append((sid, idx, handle.get.remote(ks, tenant)))
+        for sid, idx, ref in remote:
+            try:
+                arrays = ray.get(ref, timeout=self.timeout_s)
+                self.counts["get_ray"] += 1
+            except _RAY_FAIL as e:
+                self.counts["get_failed"] += 1
+                log.warning("client: get from shard %s failed (%s): misses", sid, type(e).__name__)
+                continue
+            for i, a in zip(idx, arrays):
+                got[i] = a
+            if len(arrays) < len(idx):  # the index listed a chunk the shard does not have
+                self._invalidate(keys[idx[len(arrays)]], sid)
+        out = []
+        for i in range(n):
+            if i not in got:
+                break
+            out.append(got[i])
+        return out
+
+    def _get_local(self, sid: str, tenant: str, keys: list[bytes], idx: list[int]) -> dict[int, np.ndarray]:
+        h = self._handles[sid]
+        try:
+            hid, places = ray.get(h.lease_reads.remote(keys, tenant), timeout=self.timeout_s)
+        except _RAY_FAIL:
+            self.counts["get_failed"] += 1
+            return {}
+        buf = self._slabs[sid].buf
+        out, bad = {}, []
+        for i, key, (off, nb, cs) in zip(idx, keys, places):
+            dst = np.empty(nb, dtype=np.uint8)
+            if copy_with_checksum(dst, buf[off : off + nb]) != cs:
+                bad.append(key)
+                break
+            out[i] = dst
+        h.release.remote(hid, bad)  # fire and forget: the lease also expires on its own
+        self.counts["get_shm"] += 1
+        if len(places) < len(keys) and not bad:
+            self._invalidate(ChunkKey(keys[len(places)]), sid)
+        return out
+
+    def _invalidate(self, key: ChunkKey, shard: str) -> None:
+        try:
+            self.index.invalidate(ChunkKey(bytes(key)), shard)
+            self.counts["invalidated"] += 1
+        except KvPoolError:
+            pass

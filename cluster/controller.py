@@ -1,0 +1,115 @@
+"""The controller: one named actor that owns membership and the ring.
+
+It never sits on the data path. Clients take the ring once and then long-poll ``wait`` for a new
+version; they do not call the controller per request. Its loop reconciles actual to target state
+every ``interval_s``: shards whose heartbeat lapsed in the index (or whose node Ray declares dead)
+leave the ring and their index entries are purged. Every step is idempotent, and the loop logs and
+survives every exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+from kvpool.cluster.ring import HashRing
+from kvpool.index import open_index
+
+log = logging.getLogger("kvpool.controller")
+CONTROLLER = "kvpool-controller"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=32)
+class Controller:
+    def __init__(self, pool: str, index_url: str | None, interval_s: float = 1.0, vnodes: int = 128,
+                 eps: float = 0.25) -> None:
+        self.pool = pool
+        self.index_url = index_url
+        self.interval_s = interval_s
+        self.ring = HashRing(vnodes, eps)
+        self.shards: dict[str, dict] = {}
+        self._changed = threading.Condition()
+        self._index = None
+        self._stop = threading.Event()
+        self.passes = 0
+        self.errors = 0
+        self._missing: dict[str, int] = {}  # passes a shard has been absent from the index
+        self._loop = threading.Thread(target=self._run, daemon=True, name="kvpool-controller")
+        self._loop.start()
+        log.info("controller: started on node %s", ray.get_runtime_context().get_node_id()[:12])
+
+    def _idx(self):
+        if self._index is None:
+            if self.index_url:
+                self._index = open_index(self.index_url)
+            else:
+                from kvpool.cluster.index_actor import ActorIndex
+
+                self._index = ActorIndex()
+        return self._index
+
+    # ---------------------------------------------------------------- membership
+    def register(self, shard_id: str, info: dict, weight: float = 1.0) -> int:
+        with self._changed:
+            self.shards[shard_id] = info
+            self.ring.add(shard_id, weight)
+            self._changed.notify_all()
+            return self.ring.version
+
+    def deregister(self, shard_id: str) -> int:
+        with self._changed:
+            if self.shards.pop(shard_id, None) is not None:
+                self.ring.remove(shard_id)
+                self._changed.notify_all()
+            return self.ring.version
+
+    def state(self) -> dict:
+        with self._changed:
+            return {"version": self.ring.version, "ring": self.ring.to_dict(), "shards": dict(self.shards)}
+
+    def wait(self, version: int, timeout_s: float = 5.0) -> dict:
+        """Long poll: returns as soon as the ring's version differs from ``version``."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.ring.version != version, timeout=timeout_s)
+        return self.state()
+
+    def health(self) -> dict:
+        return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),
+                "version": self.ring.version}
+
+    # ---------------------------------------------------------------- reconcile loop
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.reconcile_once()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                self.errors += 1
+                log.exception("controller: reconcile pass failed; will retry")
+
+    def reconcile_once(self) -> list[str]:
+        """Drops shards that are dead (index heartbeat lapsed, or their node is dead) from the
+        ring and purges their index entries. Returns the shards dropped."""
+        idx = self._idx()
+        alive = idx.shards()
+        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+        gone = []
+        for s, info in list(self.shards.items()):
+            # Absent from the index (e.g. Redis restarted empty): the shard re-registers at its next
+            # heartbeat, so only a long absence counts as death.
+            self._missing[s] = self._missing.get(s, 0) + 1 if s not in alive else 0
+            if alive.get(s) is False or self._missing[s] > 5 or info.get("node_id") in dead_nodes:
+                gone.append(s)
+        for s in gone:
+            log.warning("controller: shard %s is dead; removing it from the ring", s)
+            self.deregister(s)
+            self._missing.pop(s, None)
+        purged = idx.purge_dead()
+        if purged:
+            log.info("controller: purged index entries of dead shards %s", purged)
+        self.passes += 1
+        return gone
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,172 @@
+"""The shard actor: one per node, holding that node's chunk store and keeping the index true.
+
+- Its DRAM slab is a named file in /dev/shm, so clients on the same node copy in and out of it
+  directly (``reserve``/``commit``, ``lease_reads``/``release``): one copy, no Ray in the data path.
+- Clients on other nodes send and receive bytes through Ray (``put``, ``get``).
+- Bytes before index: it publishes a chunk to the index only after the chunk is committed, and
+  removes from the index what its store evicted, removed or found corrupt.
+- A heartbeat thread renews its membership and ends holds of clients that never came back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import ray
+
+from kvpool.errors import BadRequest, KvPoolError
+from kvpool.index import IndexEntry, open_index
+from kvpool.keys import ChunkKey
+from kvpool.store import ChunkStore, StoreConfig
+from kvpool.tenants import Tenant, TenantRegistry
+
+log = logging.getLogger("kvpool.shard")
+SHM_DIR = "/dev/shm"
+
+
+def shard_name(pool: str, shard_id: str) -> str:
+    return f"kvpool-shard-{pool}-{shard_id}"
+
+
+def _keys(raw) -> list[ChunkKey]:
+    return [k if isinstance(k, ChunkKey) else ChunkKey(bytes(k)) for k in raw]
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class ShardActor:
+    def __init__(self, shard_id: str, pool: str, store: dict, tenants: list[dict], index_url: str | None,
+                 ttl_s: float = 5.0) -> None:
+        self.shard_id = shard_id
+        self.pool = pool
+        cfg = dict(store)
+        cfg.setdefault("dram_dir", SHM_DIR if os.path.isdir(SHM_DIR) else None)
+        cfg["name"] = f"{pool}-{shard_id}"
+        reg = TenantRegistry([Tenant(**t) for t in tenants])
+        self.store = ChunkStore(StoreConfig(**cfg), reg)
+        self.store.track_gone = True
+        if index_url:
+            self.index = open_index(index_url)
+        else:
+            from kvpool.cluster.index_actor import ActorIndex
+
+            self.index = ActorIndex()
+        self.ttl_s = ttl_s
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.tenant_config = tenants
+        self._join()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="kvpool-heartbeat")
+        self._beat.start()
+
+    # ---------------------------------------------------------------- membership
+    def _join(self) -> None:
+        """Registers the tenants it serves and itself (again, after the index lost them)."""
+        for t in self.tenant_config:
+            self.index.add_tenant(t["id"], t.get("quota_bytes", 2**62), t.get("priority", "normal"))
+        self.index.register_shard(self.shard_id, self.node_id, self.ttl_s)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                try:
+                    self.index.heartbeat(self.shard_id, self.ttl_s)
+                except BadRequest:  # the index forgot us (restarted empty): rejoin and republish
+                    self._join()
+                    r = self.reconcile()
+                    log.warning("shard %s: rejoined the index, republished %s", self.shard_id, r)
+                self.store.expire_holds()
+                self._forget_gone()
+            except KvPoolError as e:  # the index is down: keep serving, retry next beat
+                log.warning("shard %s: heartbeat failed: %s", self.shard_id, e)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("shard %s: heartbeat loop", self.shard_id)
+
+    def _forget_gone(self) -> None:
+        gone = self.store.take_gone()
+        if gone:
+            self.index.remove(gone, shard=self.shard_id)
+
+    def _publish(self, keys: list[ChunkKey]) -> None:
+        """Publishes the committed chunks among ``keys`` (bytes are in place)."""
+        entries = self.store.index_entries(self.shard_id, keys)
+        if entries:
+            self.index.publish(entries)
+        self._forget_gone()
+
+    def info(self) -> dict:
+        st = self.store
+        return {"shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
+                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages}
+
+    def reconcile(self) -> dict:
+        r = self.index.reconcile(self.shard_id, self.store.index_entries(self.shard_id))
+        return {"published": r.published, "removed": r.removed}
+
+    # ---------------------------------------------------------------- same node (shared memory)
+    def reserve(self, keys, sizes, tenant: str, shared: bool = False, parent=None, first_position: int = 0):
+        hid, places = self.store.reserve(_keys(keys), list(sizes), tenant, shared=shared,
+                                         parent=None if parent is None else ChunkKey(bytes(parent)),
+                                         first_position=first_position)
+        return hid, [(bytes(p.key), p.offset, p.nbytes) for p in places]
+
+    def commit(self, hold_id: int, keys, checksums) -> int:
+        n = self.store.commit(hold_id, checksums)
+        self._publish(_keys(keys)[:n])
+        return n
+
+    def abort(self, hold_id: int) -> None:
+        self.store.abort(hold_id)
+
+    def lease_reads(self, keys, tenant: str):
+        hid, places = self.store.lease_reads(_keys(keys), tenant)
+        return hid, [(p.offset, p.nbytes, p.checksum) for p in places]
+
+    def release(self, hold_id: int, corrupt=()) -> None:
+        self.store.release(hold_id, _keys(corrupt))
+
+    # ---------------------------------------------------------------- other nodes (bytes over Ray)
+    def put(self, keys, payloads, tenant: str, shared: bool = False, parent=None, first_position: int = 0) -> int:
+        keys = _keys(keys)
+        stored = self.store.put_many(keys, payloads, tenant, shared=shared,
+                                     parent=None if parent is None else ChunkKey(bytes(parent)),
+                                     first_position=first_position)
+        self._publish([k for k, s in zip(keys, stored) if s])
+        return sum(stored)
+
+    def get(self, keys, tenant: str) -> list[np.ndarray]:
+        """The leading run of chunks, verified (a bad one ends the run)."""
+        out = []
+        for got in self.store.get_many(_keys(keys), tenant):
+            if got is None:
+                break
+            out.append(got)
+        return out
+
+    def contains(self, keys, tenant: str) -> list[bool]:
+        return self.store.contains_many(_keys(keys), tenant)
+
+    def remove(self, keys, tenant: str) -> int:
+        n = self.store.remove_many(_keys(keys), tenant)
+        self._forget_gone()
+        return n
+
+    def stats(self) -> dict:
+        st = self.store.stats()
+        st["shard"] = self.shard_id
+        st["node_id"] = self.node_id
+        return st
+
+    def drain(self) -> int:
+        """Leaves gracefully: forgets its entries in the index and closes its slabs."""
+        self._stop.set()
+        keys = list(self.index.shard_keys(self.shard_id))
+        n = self.index.remove(keys, shard=self.shard_id) if keys else 0
+        self.store.close()
+        return n
+
+    def ping(self) -> float:
+        return time.time()

@@ -1,0 +1,165 @@
+"""The pool on a real 3-node Ray cluster on this machine (ray.cluster_utils.Cluster), one per
+module: placement, same-node shared memory vs Ray transport, a node removed during traffic, a
+node added."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvpool.cluster.bootstrap import shard_id_of, up
+from kvpool.cluster.client import PoolClient
+from kvpool.cluster.controller import CONTROLLER
+from kvpool.cluster.ring import HashRing
+from conftest import make_keys, payload
+
+PAGE = 4096
+TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Ray's workers import this module's actor classes: let them find tests/.
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False,
+        "_system_config": {"health_check_failure_threshold": 2, "health_check_period_ms": 500,
+                           "health_check_initial_delay_ms": 0},
+    })
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    ray.init(address=c.address, namespace="kvpool-test")
+    assert c.address.startswith("127.0.0.1"), c.address
+    state = up(store={"page_bytes": PAGE, "dram_pages": 256}, tenants=[{"id": "a"}, {"id": "b"}], ttl_s=2.0,
+               controller_interval_s=0.5)
+    assert len(state["shards"]) == 3
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    cl = PoolClient(timeout_s=TIMEOUT)
+    yield cl
+    cl.close()
+
+
+def truth(i):
+    return payload(i, PAGE)
+
+
+@ray.remote(num_cpus=0)
+class RemoteClient:
+    """A client living on another node."""
+
+    def __init__(self):
+        self.c = PoolClient(timeout_s=TIMEOUT)
+
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+    def put(self, tenant, keys, seeds):
+        return self.c.put(tenant, keys, [truth(s) for s in seeds])
+
+    def get(self, tenant, keys):
+        return self.c.get(tenant, keys), dict(self.c.counts)
+
+
+def test_chunks_spread_over_every_shard_within_the_bounded_load(client):
+    keys = make_keys(300, seed=1)
+    assert client.put("a", keys, [truth(i) for i in range(300)]) == 300
+    hit = client.lookup(keys)
+    assert hit.count == 300
+    per = {s: hit.shards.count(s) for s in set(hit.shards)}
+    assert len(per) == 3
+    assert max(per.values()) <= client.ring.bound(max(per, key=per.get), 300)
+    got = client.get("a", keys)
+    assert len(got) == 300 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
+    assert client.counts["get_shm"] >= 1 and client.counts["get_ray"] >= 1  # both transports used
+
+
+def test_put_on_one_node_get_from_another(cluster, client):
+    c, nodes = cluster
+    remote = RemoteClient.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[0].node_id, soft=False)).remote()
+    assert ray.get(remote.node.remote()) != client.node_id
+    keys = make_keys(40, seed=2)
+    assert ray.get(remote.put.remote("a", keys, list(range(1000, 1040))), timeout=60) == 40
+    got = client.get("a", keys)
+    assert len(got) == 40 and all(np.array_equal(g, truth(1000 + i)) for i, g in enumerate(got))
+    back, counts = ray.get(remote.get.remote("a", keys), timeout=60)
+    assert len(back) == 40 and counts["get_shm"] >= 1  # its own node's shard through shared memory
+
+
+def test_tenants_never_read_each_others_chunks(client):
+    keys = make_keys(10, seed=3)
+    client.put("a", keys, [truth(i) for i in range(10)])
+    assert client.get("b", keys) == []
+
+
+def test_adding_a_node_moves_about_a_quarter_of_placements_and_old_data_still_hits(cluster, client):
+    c, nodes = cluster
+    keys = make_keys(200, seed=4)
+    client.put("a", keys, [truth(i) for i in range(200)])
+    before = HashRing.from_dict(client.ring.to_dict())
+    new = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    up(store={"page_bytes": PAGE, "dram_pages": 256}, tenants=[{"id": "a"}, {"id": "b"}], ttl_s=2.0)
+    deadline = time.monotonic() + 10
+    while len(client.ring) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the client follows the controller's ring by long poll
+    assert len(client.ring) == 4
+    probe = make_keys(4000, seed=5, chunk_tokens=1)
+    moved = sum(before.owners(bytes(k)) != client.ring.owners(bytes(k)) for k in probe) / len(probe)
+    assert 0.15 < moved < 0.35
+    got = client.get("a", keys)  # placed before the change: found through the index
+    assert len(got) == 200 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
+    cluster[1].append(new)
+
+
+def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(cluster, client):
+    c, nodes = cluster
+    keys = make_keys(120, seed=6)
+    assert client.put("a", keys, [truth(i) for i in range(120)]) == 120
+    victim_node = nodes[0]
+    victim = shard_id_of(victim_node.node_id)
+    hit = client.lookup(keys)
+    assert victim in hit.shards
+    first_lost = hit.shards.index(victim)
+    wrong, slow, lengths = [], [], []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            got = client.get("a", keys)
+            dt = time.monotonic() - t0
+            if dt > TIMEOUT + 1.5:
+                slow.append(dt)
+            lengths.append(len(got))
+            wrong.extend(i for i, g in enumerate(got) if not np.array_equal(g, truth(i)))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    time.sleep(0.5)
+    c.remove_node(victim_node, allow_graceful=False)
+    time.sleep(8)
+    stop.set()
+    t.join(timeout=30)
+    assert wrong == [] and slow == []
+    assert lengths[-1] == first_lost  # the run now ends at the first chunk of the dead shard
+    controller = ray.get_actor(CONTROLLER)
+    deadline = time.monotonic() + 15
+    while victim in ray.get(controller.state.remote())["shards"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert victim not in ray.get(controller.state.remote())["shards"]
+    deadline = time.monotonic() + 15
+    while victim in client.lookup(keys).shards and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.lookup(keys).count == first_lost  # its index entries were purged
