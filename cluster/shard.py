@@ -58,6 +58,9 @@ class ShardActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.tenant_config = tenants
         self._join()
+        from kvpool.cluster.metrics import RayExporter
+
+        self.exporter = RayExporter(self.store.metrics, shard_id)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="kvpool-heartbeat")
         self._beat.start()
@@ -80,6 +83,8 @@ class ShardActor:
                     log.warning("shard %s: rejoined the index, republished %s", self.shard_id, r)
                 self.store.expire_holds()
                 self._forget_gone()
+                self.store.stats()  # refreshes the gauges
+                self.exporter.export()
             except KvPoolError as e:  # the index is down: keep serving, retry next beat
                 log.warning("shard %s: heartbeat failed: %s", self.shard_id, e)
             except Exception:  # noqa: BLE001 - the loop must survive anything
@@ -122,7 +127,9 @@ class ShardActor:
         self.store.abort(hold_id)
 
     def lease_reads(self, keys, tenant: str):
+        t0 = time.perf_counter()
         hid, places = self.store.lease_reads(_keys(keys), tenant)
+        self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "shm")
         return hid, [(p.offset, p.nbytes, p.checksum) for p in places]
 
     def release(self, hold_id: int, corrupt=()) -> None:
@@ -139,11 +146,13 @@ class ShardActor:
 
     def get(self, keys, tenant: str) -> list[np.ndarray]:
         """The leading run of chunks, verified (a bad one ends the run)."""
+        t0 = time.perf_counter()
         out = []
         for got in self.store.get_many(_keys(keys), tenant):
             if got is None:
                 break
             out.append(got)
+        self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "ray")
         return out
 
     def contains(self, keys, tenant: str) -> list[bool]:
@@ -153,6 +162,10 @@ class ShardActor:
         n = self.store.remove_many(_keys(keys), tenant)
         self._forget_gone()
         return n
+
+    def export_metrics(self) -> None:
+        self.store.stats()
+        self.exporter.export()
 
     def stats(self) -> dict:
         st = self.store.stats()

@@ -124,6 +124,35 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from kvpool.cluster import ops
+
+    store = {"page_bytes": parse_size(args.page_size), "dram_pages": args.dram_pages}
+    if args.disk_dir:
+        store |= {"disk_dir": args.disk_dir, "disk_pages": args.disk_pages}
+    tenants = [{"id": t} for t in args.tenant] or [{"id": "default"}]
+    state = ops.cmd_up(args.ray_address, args.redis, store, tenants)
+    print(f"kvpool is up: {len(state['shards'])} shards, ring version {state['version']}")
+    for sid, info in sorted(state["shards"].items()):
+        print(f"  {sid} on node {info['node_id'][:12]}  slab {info['slab']}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from kvpool.cluster import ops
+
+    print(f"kvpool is down: {ops.cmd_down(args.ray_address, args.stop_ray)} shards drained")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvpool.cluster import ops
+
+    st = ops.cmd_stats(args.ray_address)
+    print(json.dumps(st, indent=2, default=str) if args.json else ops.format_stats(st))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -146,6 +175,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="rows as JSON")
     s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity")
     s.set_defaults(func=_sim)
+
+    u = sub.add_parser("up", help="start (or join) the pool: a shard on every Ray node")
+    u.add_argument("--ray-address", help="a Ray cluster to join (default: the one running here, or a new local one)")
+    u.add_argument("--redis", help="the index's Redis URL (default: the embedded index in an actor)")
+    u.add_argument("--page-size", default="32MiB", help="bytes per chunk page (default 32MiB)")
+    u.add_argument("--dram-pages", type=int, default=16, help="DRAM pages per shard (default 16)")
+    u.add_argument("--disk-dir", help="directory of a disk tier")
+    u.add_argument("--disk-pages", type=int, default=0)
+    u.add_argument("--tenant", action="append", default=[], help="a tenant to serve (repeat)")
+    u.set_defaults(func=_up)
+    d2 = sub.add_parser("down", help="drain every shard and stop the pool")
+    d2.add_argument("--ray-address")
+    d2.add_argument("--stop-ray", action="store_true", help="also stop the local Ray")
+    d2.set_defaults(func=_down)
+    st = sub.add_parser("stats", help="per shard and tier: chunks, bytes, hit rate, evictions, tenants")
+    st.add_argument("--ray-address")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_stats)
 
     t = sub.add_parser("tenants", help="list tenants, their usage, and set quotas and priorities")
     t.add_argument("action", choices=["list", "usage", "set-quota", "set-priority"])

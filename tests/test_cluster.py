@@ -30,7 +30,7 @@ def cluster():
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False,
         "_system_config": {"health_check_failure_threshold": 2, "health_check_period_ms": 500,
-                           "health_check_initial_delay_ms": 0},
+                           "health_check_initial_delay_ms": 0, "metrics_report_interval_ms": 1000},
     })
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
     ray.init(address=c.address, namespace="kvpool-test")
@@ -121,6 +121,38 @@ def test_adding_a_node_moves_about_a_quarter_of_placements_and_old_data_still_hi
     got = client.get("a", keys)  # placed before the change: found through the index
     assert len(got) == 200 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
     cluster[1].append(new)
+
+
+def test_metrics_reach_the_prometheus_endpoint_with_their_labels(cluster, client):
+    import urllib.request
+
+    keys = make_keys(5, seed=8)
+    client.put("a", keys, [truth(i) for i in range(5)])
+    client.get("a", keys)
+    controller = ray.get_actor(CONTROLLER)
+    shards = ray.get(controller.state.remote())["shards"]
+    from kvpool.cluster.shard import shard_name
+
+    for sid in shards:
+        ray.get(ray.get_actor(shard_name("default", sid)).export_metrics.remote(), timeout=10)
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+    deadline = time.monotonic() + 40
+    text = ""
+    while time.monotonic() < deadline:
+        text = ""
+        for port in ports:
+            try:
+                text += urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                pass
+        if "ray_kvpool_puts_total" in text and "ray_kvpool_hits_chunks_total" in text:
+            break
+        time.sleep(1)
+    assert "ray_kvpool_puts_total" in text
+    line = next(l for l in text.splitlines() if l.startswith("ray_kvpool_hits_chunks_total"))
+    assert 'tenant="a"' in line and 'shard="node-' in line
+    assert "ray_kvpool_bytes" in text and 'tier="dram"' in text
+    assert "ray_kvpool_get_latency_ms_bucket" in text
 
 
 def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(cluster, client):

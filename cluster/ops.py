@@ -1,0 +1,108 @@
+"""What `kvpool up`, `kvpool down` and `kvpool stats` do (the CLI stays free of Ray imports)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# NOTE: a local pool stays on the loopback address; Ray reads this when it is first imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+
+from kvpool.cluster.bootstrap import down, up  # noqa: E402
+from kvpool.cluster.controller import CONTROLLER  # noqa: E402
+from kvpool.cluster.shard import shard_name  # noqa: E402
+
+NAMESPACE = "kvpool"
+
+
+def connect(address: str | None, start_local: bool) -> None:
+    """Connects to ``address``, or to the Ray already running here, or (``start_local``) starts a
+    local head that outlives this command."""
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        return
+    running = _local_ray_address()
+    if running:
+        ray.init(address=running, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    else:
+        if not start_local:
+            raise SystemExit("kvpool: no Ray cluster is running here; start one with `kvpool up` or pass --ray-address")
+        import socket
+
+        with socket.socket() as s:  # NOTE: Ray's default port is Redis's 6379, taken on these machines
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+        r = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                            "--disable-usage-stats", "--include-dashboard=false"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            raise SystemExit(f"kvpool: could not start a local Ray head:\n{r.stderr[-2000:]}")
+        ray.init(address=f"127.0.0.1:{port}", namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+
+
+def _local_ray_address(path: str = "/tmp/ray/ray_current_cluster") -> str | None:
+    """The address of the Ray head running on this machine, if it answers (a stale file from a
+    crashed head would otherwise make ray.init wait for minutes)."""
+    import socket
+
+    try:
+        with open(path) as f:
+            addr = f.read().strip()
+        host, port = addr.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return addr
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[dict]) -> dict:
+    connect(address, start_local=True)
+    return up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE)
+
+
+def cmd_down(address: str | None, stop_ray: bool) -> int:
+    connect(address, start_local=False)
+    n = down(namespace=NAMESPACE)
+    ray.shutdown()
+    if stop_ray:
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
+                       capture_output=True, timeout=120)
+    return n
+
+
+def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:
+    connect(address, start_local=False)
+    controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    state = ray.get(controller.state.remote(), timeout=timeout_s)
+    out = {"ring_version": state["version"], "shards": {}}
+    for sid in state["shards"]:
+        try:
+            h = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
+            out["shards"][sid] = ray.get(h.stats.remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead shard is reported, not fatal
+            out["shards"][sid] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def format_stats(st: dict) -> str:
+    lines = [f"ring version {st['ring_version']}, {len(st['shards'])} shards",
+             f"{'shard':<20}{'tier':<6}{'chunks':>8}{'MiB':>10}{'pages':>12}{'hit rate':>10}{'evictions':>11}"]
+    for sid, s in sorted(st["shards"].items()):
+        if "error" in s:
+            lines.append(f"{sid:<20}unreachable: {s['error']}")
+            continue
+        m = s["metrics"]
+        hits, misses = sum(m["hits_chunks"].values()), sum(m["misses_chunks"].values())
+        rate = f"{hits / (hits + misses):.1%}" if hits + misses else "-"
+        for tier, t in s["tiers"].items():
+            ev = m["evictions"].get(f"tier={tier}", 0)
+            lines.append(f"{sid:<20}{tier:<6}{t['chunks']:>8}{t['bytes'] / 2**20:>10.1f}"
+                         f"{t['pages_used']:>6}/{t['pages_total']:<5}{rate:>10}{ev:>11.0f}")
+        tenants = ", ".join(f"{k} {v['bytes'] / 2**20:.1f} MiB" for k, v in s["tenants"].items() if v["bytes"])
+        if tenants:
+            lines.append(f"{'':<20}tenants: {tenants}")
+    return "\n".join(lines)
