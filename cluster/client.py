@@ -153,9 +153,11 @@ class PoolClient:
             return 0
 
     # ---------------------------------------------------------------- reads
-    def get(self, tenant: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None) -> list[np.ndarray]:
+    def get(self, tenant: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None,
+            outs: Sequence[object] | None = None) -> list[np.ndarray]:
         """The leading run of chunks, each verified, from wherever they are. Never raises on a
-        shard's failure: the run just ends there."""
+        shard's failure: the run just ends there. ``outs`` (one writable buffer per key) receive
+        the chunks read through shared memory, instead of fresh arrays."""
         hit = hit if hit is not None else self.index.lookup(keys)
         n = hit.count
         if n == 0:
@@ -171,7 +173,8 @@ class PoolClient:
             if handle is None:
                 continue  # the shard left the ring: its chunks are misses
             if sid in self._slabs:
-                got.update(self._get_local(sid, tenant, ks, idx))
+                dst = None if outs is None else [outs[i] for i in idx]
+                got.update(self._get_local(sid, tenant, ks, idx, dst))
             else:
                 remote.append((sid, idx, handle.get.remote(ks, tenant)))
         for sid, idx, ref in remote:
@@ -193,7 +196,8 @@ class PoolClient:
             out.append(got[i])
         return out
 
-    def _get_local(self, sid: str, tenant: str, keys: list[bytes], idx: list[int]) -> dict[int, np.ndarray]:
+    def _get_local(self, sid: str, tenant: str, keys: list[bytes], idx: list[int],
+                   outs: list[object] | None = None) -> dict[int, np.ndarray]:
         h = self._handles[sid]
         try:
             hid, places = ray.get(h.lease_reads.remote(keys, tenant), timeout=self.timeout_s)
@@ -202,8 +206,8 @@ class PoolClient:
             return {}
         buf = self._slabs[sid].buf
         out, bad = {}, []
-        for i, key, (off, nb, cs) in zip(idx, keys, places):
-            dst = np.empty(nb, dtype=np.uint8)
+        for j, (i, key, (off, nb, cs)) in enumerate(zip(idx, keys, places)):
+            dst = np.empty(nb, dtype=np.uint8) if outs is None else as_byte_array(outs[j], writable=True)[:nb]
             if copy_with_checksum(dst, buf[off : off + nb]) != cs:
                 bad.append(key)
                 break

@@ -153,6 +153,14 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_datapath(args: argparse.Namespace) -> int:
+    from kvpool.bench import datapath
+
+    result = datapath.run(nodes=args.nodes, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else datapath.format_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -218,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(func=_bench_index)
+    bd = bsub.add_parser("datapath", help="same-node and cross-node chunk transfer vs copy and raw Ray")
+    bd.add_argument("--nodes", type=int, default=2)
+    bd.add_argument("--json", action="store_true")
+    bd.set_defaults(func=_bench_datapath)
     return p
 
 

@@ -1,0 +1,145 @@
+"""``kvpool bench datapath``: moving 32 MiB chunks through the pool on a local multi-node Ray
+cluster, each figure beside its baseline in the same run.
+
+- same node: the client and the shard share a node; put/get go through the shard's shared-memory
+  slab (one copy, verified) -- against a plain in-process copy of the same bytes;
+- cross node: put/get ride Ray between raylets -- against a raw Ray transfer of the same bytes (an
+  actor on the other node returning a fresh array).
+Starts and stops its own cluster (``ray.cluster_utils.Cluster``) on the loopback address.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+from kvpool.keys import Namespace, chunk_keys  # noqa: E402
+from kvpool.progress import Progress  # noqa: E402
+from kvpool.spec import KVSpec  # noqa: E402
+
+
+@ray.remote(num_cpus=0)
+class _Source:
+    def data(self, n: int, nbytes: int) -> list[np.ndarray]:
+        return [np.full(nbytes, i % 251, dtype=np.uint8) for i in range(n)]
+
+
+def run(nodes: int = 2, chunk_mib: int = 32, chunks: int = 4, trials: int = 5, progress: bool = True) -> dict:
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvpool.cluster.bootstrap import down, shard_id_of, up
+    from kvpool.cluster.client import PoolClient
+
+    nb = chunk_mib << 20
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                      "object_store_memory": 1 << 30})
+    workers = [c.add_node(num_cpus=1, object_store_memory=1 << 30) for _ in range(nodes - 1)]
+    ray.init(address=c.address, namespace="kvpool-bench")
+    try:
+        up(store={"page_bytes": nb, "dram_pages": chunks * 4}, tenants=[{"id": "bench"}])
+        client = PoolClient(timeout_s=60.0)
+        here = shard_id_of(client.node_id)
+        there = shard_id_of(workers[0].node_id) if workers else None
+        spec = KVSpec("bench", 32, 8, 128)
+        rng = np.random.default_rng(0)
+        srcs = [rng.integers(0, 256, nb, dtype=np.uint8) for _ in range(chunks)]
+        dsts = [np.empty(nb, dtype=np.uint8) for _ in range(chunks)]
+        source = _Source.options(scheduling_strategy=NodeAffinitySchedulingStrategy(workers[0].node_id, soft=False)
+                                 ).remote() if workers else None
+
+        def keys_on(shard: str, salt: int) -> list:
+            out, i = [], 0
+            while len(out) < chunks:
+                k = chunk_keys(np.arange(256) + 1000 * i + salt * 10**7, Namespace.for_spec(spec, b"b"), 256)[0]
+                if client.ring.owners(bytes(k))[0] == shard:
+                    out.append(k)
+                i += 1
+            return out
+
+        rows: dict[str, list[float]] = {k: [] for k in ("copy", "shm_put", "shm_get", "ray_put", "ray_get", "raw_ray")}
+        with Progress(trials, "bench datapath", enabled=progress) as bar:
+            for t in range(trials):
+                t0 = time.perf_counter()
+                for s, d in zip(srcs, dsts):
+                    np.copyto(d, s)
+                rows["copy"].append(time.perf_counter() - t0)
+                k_local = keys_on(here, 2 * t)
+                t0 = time.perf_counter()
+                assert client.put("bench", k_local, srcs) == chunks
+                rows["shm_put"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = client.get("bench", k_local, outs=dsts)  # like an engine: into its own buffers
+                rows["shm_get"].append(time.perf_counter() - t0)
+                assert len(got) == chunks and np.array_equal(dsts[-1], srcs[-1])
+                if there:
+                    k_remote = keys_on(there, 2 * t + 1)
+                    t0 = time.perf_counter()
+                    assert client.put("bench", k_remote, srcs) == chunks
+                    rows["ray_put"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    got = client.get("bench", k_remote)
+                    rows["ray_get"].append(time.perf_counter() - t0)
+                    assert len(got) == chunks and np.array_equal(got[0], srcs[0])
+                    t0 = time.perf_counter()
+                    raw = ray.get(source.data.remote(chunks, nb))
+                    rows["raw_ray"].append(time.perf_counter() - t0)
+                    assert len(raw) == chunks
+                client.index.remove(k_local + (k_remote if there else []))
+                for sid in (here, there):
+                    if sid:
+                        from kvpool.cluster.shard import shard_name
+
+                        h = ray.get_actor(shard_name("default", sid))
+                        ray.get(h.remove.remote([bytes(k) for k in k_local + (k_remote if there else [])], "bench"))
+                bar.advance()
+        total = nb * chunks
+        med = statistics.median
+
+        def ratio(a: str, b: str) -> float:
+            return med([rows[b][i] / rows[a][i] for i in range(trials)])
+
+        out = {
+            "nodes": nodes, "chunk_bytes": nb, "chunks": chunks, "trials": trials,
+            "copy_gbps": total / med(rows["copy"]) / 1e9,
+            "same_node_put_gbps": total / med(rows["shm_put"]) / 1e9,
+            "same_node_get_gbps": total / med(rows["shm_get"]) / 1e9,
+            "same_node_put_vs_copy": ratio("shm_put", "copy"),
+            "same_node_get_vs_copy": ratio("shm_get", "copy"),
+        }
+        if there:
+            out |= {
+                "cross_node_put_gbps": total / med(rows["ray_put"]) / 1e9,
+                "cross_node_get_gbps": total / med(rows["ray_get"]) / 1e9,
+                "raw_ray_gbps": total / med(rows["raw_ray"]) / 1e9,
+                "cross_node_get_vs_ray": ratio("ray_get", "raw_ray"),
+                "cross_node_get_vs_copy": ratio("ray_get", "copy"),
+            }
+        client.close()
+        down(namespace="kvpool-bench")
+        return out
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def format_table(r: dict) -> str:
+    lines = [f"{r['nodes']} nodes on one machine; {r['chunks']} chunks of {r['chunk_bytes'] >> 20} MiB per trial, "
+             f"median of {r['trials']}",
+             f"{'path':<34}{'GB/s':>8}{'ratio':>8}  baseline",
+             f"{'plain copy (numpy, 1 thread)':<34}{r['copy_gbps']:>8.2f}",
+             f"{'same-node put (shared memory)':<34}{r['same_node_put_gbps']:>8.2f}{r['same_node_put_vs_copy']:>8.2f}  copy",
+             f"{'same-node get (shared memory)':<34}{r['same_node_get_gbps']:>8.2f}{r['same_node_get_vs_copy']:>8.2f}  copy"]
+    if "raw_ray_gbps" in r:
+        lines += [
+            f"{'raw Ray transfer between raylets':<34}{r['raw_ray_gbps']:>8.2f}",
+            f"{'cross-node put (Ray)':<34}{r['cross_node_put_gbps']:>8.2f}",
+            f"{'cross-node get (Ray)':<34}{r['cross_node_get_gbps']:>8.2f}{r['cross_node_get_vs_ray']:>8.2f}  raw Ray",
+        ]
+    return "\n".join(lines)
