@@ -157,26 +157,28 @@ class PoolClient:
             outs: Sequence[object] | None = None) -> list[np.ndarray]:
         """The leading run of chunks, each verified, from wherever they are. Never raises on a
         shard's failure: the run just ends there. ``outs`` (one writable buffer per key) receive
-        the chunks read through shared memory, instead of fresh arrays."""
+        the chunks read through shared memory, instead of fresh arrays.
+
+        NOTE: the lease on this node's shard is asked for at the same time as the index lookup
+        (for every key, misses allowed), so a same-node read costs one round trip, not two."""
+        local = next(iter(self._slabs), None)
+        lease_ref = None
+        if local is not None and self._handles.get(local) is not None:
+            lease_ref = self._handles[local].lease_reads.remote([bytes(k) for k in keys], tenant, False)
         hit = hit if hit is not None else self.index.lookup(keys)
         n = hit.count
-        if n == 0:
-            return []
+        got: dict[int, np.ndarray] = {}
+        remote = []
         by_shard: dict[str, list[int]] = {}
         for i in range(n):
             by_shard.setdefault(hit.shards[i], []).append(i)
-        got: dict[int, np.ndarray] = {}
-        remote = []
         for sid, idx in by_shard.items():
-            ks = [bytes(keys[i]) for i in idx]
             handle = self._handles.get(sid)
-            if handle is None:
-                continue  # the shard left the ring: its chunks are misses
-            if sid in self._slabs:
-                dst = None if outs is None else [outs[i] for i in idx]
-                got.update(self._get_local(sid, tenant, ks, idx, dst))
-            else:
-                remote.append((sid, idx, handle.get.remote(ks, tenant)))
+            if handle is None or sid == local:
+                continue  # gone from the ring (misses), or served from the lease below
+            remote.append((sid, idx, handle.get.remote([bytes(keys[i]) for i in idx], tenant)))
+        if lease_ref is not None:
+            got.update(self._read_lease(local, lease_ref, keys, by_shard.get(local, []), outs))
         for sid, idx, ref in remote:
             try:
                 arrays = ray.get(ref, timeout=self.timeout_s)
@@ -196,26 +198,31 @@ class PoolClient:
             out.append(got[i])
         return out
 
-    def _get_local(self, sid: str, tenant: str, keys: list[bytes], idx: list[int],
-                   outs: list[object] | None = None) -> dict[int, np.ndarray]:
-        h = self._handles[sid]
+    def _read_lease(self, sid: str, ref, keys: Sequence[ChunkKey], wanted: list[int],
+                    outs: Sequence[object] | None) -> dict[int, np.ndarray]:
+        """Copies the positions ``wanted`` (the index places them on this node's shard) out of the
+        leased pages, verifying each; then releases the lease."""
         try:
-            hid, places = ray.get(h.lease_reads.remote(keys, tenant), timeout=self.timeout_s)
+            hid, places = ray.get(ref, timeout=self.timeout_s)
         except _RAY_FAIL:
             self.counts["get_failed"] += 1
             return {}
         buf = self._slabs[sid].buf
         out, bad = {}, []
-        for j, (i, key, (off, nb, cs)) in enumerate(zip(idx, keys, places)):
-            dst = np.empty(nb, dtype=np.uint8) if outs is None else as_byte_array(outs[j], writable=True)[:nb]
+        for i in wanted:
+            p = places[i]
+            if p is None:  # listed by the index, not held by the shard: the index is stale
+                self._invalidate(keys[i], sid)
+                break
+            off, nb, cs = p
+            dst = np.empty(nb, dtype=np.uint8) if outs is None else as_byte_array(outs[i], writable=True)[:nb]
             if copy_with_checksum(dst, buf[off : off + nb]) != cs:
-                bad.append(key)
+                bad.append(bytes(keys[i]))
                 break
             out[i] = dst
-        h.release.remote(hid, bad)  # fire and forget: the lease also expires on its own
-        self.counts["get_shm"] += 1
-        if len(places) < len(keys) and not bad:
-            self._invalidate(ChunkKey(keys[len(places)]), sid)
+        self._handles[sid].release.remote(hid, bad)  # fire and forget: the lease also expires on its own
+        if wanted:
+            self.counts["get_shm"] += 1
         return out
 
     def _invalidate(self, key: ChunkKey, shard: str) -> None:

@@ -126,11 +126,11 @@ class ShardActor:
     def abort(self, hold_id: int) -> None:
         self.store.abort(hold_id)
 
-    def lease_reads(self, keys, tenant: str):
+    def lease_reads(self, keys, tenant: str, leading: bool = True):
         t0 = time.perf_counter()
-        hid, places = self.store.lease_reads(_keys(keys), tenant)
+        hid, places = self.store.lease_reads(_keys(keys), tenant, leading=leading)
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "shm")
-        return hid, [(p.offset, p.nbytes, p.checksum) for p in places]
+        return hid, [None if p is None else (p.offset, p.nbytes, p.checksum) for p in places]
 
     def release(self, hold_id: int, corrupt=()) -> None:
         self.store.release(hold_id, _keys(corrupt))

@@ -435,23 +435,28 @@ class ChunkStore(CacheHooks):
         with self._lock:
             self._end_hold(hold_id)
 
-    def lease_reads(self, keys: Sequence[ChunkKey], tenant: str, ttl_s: float = 30.0) -> tuple[int, list[Placement]]:
-        """Leases the leading run of chunks for another process on this node to copy out of the
-        DRAM slab (promoting disk hits first); a hold id and a placement per chunk, with the
-        checksum the reader verifies. ``release`` (or ``ttl_s``) ends the lease."""
+    def lease_reads(self, keys: Sequence[ChunkKey], tenant: str, ttl_s: float = 30.0,
+                    leading: bool = True) -> tuple[int, list[Placement | None]]:
+        """Leases chunks for another process on this node to copy out of the DRAM slab (promoting
+        disk hits first); a hold id and a placement per chunk, with the checksum the reader
+        verifies. ``leading``: the leading run only; else a placement or None for every key (a
+        client that asks the index at the same time). ``release`` (or ``ttl_s``) ends the lease."""
         t_idx = self.tenants.index(tenant)
         keys = [as_key(k) for k in keys]
         with self._lock:
             hold = _Hold("read", [], time.monotonic() + ttl_s)
-            out: list[Placement] = []
+            out: list[Placement | None] = []
             c = self._cache
             for k in keys:
                 node = self._acquire_for_read(k, t_idx)
-                if node is None:
-                    break
-                if c.node_tier[node] != 0:  # could not be promoted: not mappable, stop the run
+                if node is not None and c.node_tier[node] != 0:  # not promoted: not mappable
                     self._unlease(node)
-                    break
+                    node = None
+                if node is None:
+                    if leading:
+                        break
+                    out.append(None)
+                    continue
                 hold.nodes.append(node)
                 out.append(Placement(k, c.node_page[node] * self.config.page_bytes, int(self._nbytes[node]),
                                      int(self._checksum[node])))
@@ -459,11 +464,12 @@ class ChunkStore(CacheHooks):
             hid = next(self._requests)
             self._holds[hid] = hold
             m = self.metrics
-            if out:
-                m.hits_chunks.inc(len(out), tenant)
-                m.get_bytes.inc(sum(p.nbytes for p in out), tenant)
-            if len(keys) > len(out):
-                m.misses_chunks.inc(1, tenant)  # the run ends at the first miss
+            found = [p for p in out if p is not None]
+            if found:
+                m.hits_chunks.inc(len(found), tenant)
+                m.get_bytes.inc(sum(p.nbytes for p in found), tenant)
+            if len(keys) > len(found):
+                m.misses_chunks.inc(1 if leading else len(keys) - len(found), tenant)
         return hid, out
 
     def release(self, hold_id: int, corrupt: Sequence[ChunkKey] = ()) -> None:
