@@ -65,6 +65,18 @@ class Controller:
                 self._changed.notify_all()
             return self.ring.version
 
+    def drain(self, shard_id: str, pool: str | None = None, timeout_s: float = 30.0) -> int:
+        """Takes a shard out gracefully: out of the ring first (no new chunks go there), then its
+        index entries are removed and its slabs closed. Its chunks become misses, never errors."""
+        from kvpool.cluster.shard import shard_name
+
+        self.deregister(shard_id)
+        h = ray.get_actor(shard_name(pool or self.pool, shard_id))
+        n = ray.get(h.drain.remote(), timeout=timeout_s)
+        ray.kill(h)
+        log.info("controller: drained shard %s (%d index entries)", shard_id, n)
+        return n
+
     def state(self) -> dict:
         with self._changed:
             return {"version": self.ring.version, "ring": self.ring.to_dict(), "shards": dict(self.shards)}

@@ -155,6 +155,26 @@ def test_metrics_reach_the_prometheus_endpoint_with_their_labels(cluster, client
     assert "ray_kvpool_get_latency_ms_bucket" in text
 
 
+def test_draining_a_shard_turns_its_chunks_into_misses_and_takes_it_out_of_the_ring(cluster, client):
+    c, nodes = cluster
+    keys = make_keys(60, seed=9)
+    client.put("a", keys, [truth(i) for i in range(60)])
+    hit = client.lookup(keys)
+    victim = shard_id_of(nodes[-1].node_id)  # the node added above
+    assert victim in hit.shards  # 60 chunks over 4 shards: some land there
+    first = hit.shards.index(victim)
+    controller = ray.get_actor(CONTROLLER)
+    n = ray.get(controller.drain.remote(victim), timeout=60)
+    assert n >= 1
+    assert client.lookup(keys).count == first
+    got = client.get("a", keys)
+    assert len(got) == first and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
+    deadline = time.monotonic() + 10
+    while victim in client.ring.weights and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert victim not in client.ring.weights
+
+
 def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(cluster, client):
     c, nodes = cluster
     keys = make_keys(120, seed=6)
