@@ -13,7 +13,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvpool import demo
 
     result = demo.run(tenants=args.tenants, conversations=args.conversations, turns=args.turns,
-                      progress=not args.json)
+                      progress=not args.json, backend=args.backend, ray_address=args.ray_address)
     print(json.dumps(result, indent=2) if args.json else demo.format_report(result))
     return 0
 
@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tenants", type=int, default=3)
     d.add_argument("--conversations", type=int, default=2, help="conversations per tenant")
     d.add_argument("--turns", type=int, default=4)
+    d.add_argument("--backend", choices=["ray", "local"], default="ray",
+                   help="ray: local Ray with the embedded index (default); local: this process only")
+    d.add_argument("--ray-address", help="run on this Ray cluster instead of a local one")
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=_demo)
 

@@ -1,4 +1,5 @@
-"""``kvpool demo``: the main job on the embedded default (one process, no Ray, no Redis).
+"""``kvpool demo``: the main job on the embedded default: local Ray (one shard on this node, the
+embedded index in an actor, no Redis); ``--backend local`` runs it in this process alone.
 
 Three tenants hold multi-turn conversations that share a per-tenant system prompt. Each request
 asks the pool for the longest cached prefix, computes only the rest with a toy prefill, and
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpool.errors import BadRequest
 from kvpool.health import HealthMonitor
 from kvpool.pool import LocalPool
 from kvpool.progress import Progress
@@ -75,16 +77,30 @@ def workload(tenants: int = 3, conversations: int = 2, turns: int = 4, seed: int
     return reqs
 
 
-def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool = True, progress: bool = True) -> dict:
+def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool = True, progress: bool = True,
+        backend: str = "ray", ray_address: str | None = None) -> dict:
+    """``backend``: "ray" (local Ray, one shard, the embedded index in an actor: the default) or
+    "local" (this process only)."""
     names = [f"tenant-{t}" for t in range(tenants)]
-    registry = TenantRegistry([Tenant(n) for n in names])
-    pool = LocalPool.create(SPEC, registry, dram_chunks=256)
+    if backend == "local":
+        return _run(LocalPool.create(SPEC, TenantRegistry([Tenant(n) for n in names]), dram_chunks=256),
+                    names, conversations, turns, verify, progress, "in-process pool")
+    if backend != "ray":
+        raise BadRequest(f"demo backend {backend!r}: choose 'ray' or 'local'")
+    from kvpool.cluster.pool import local_cluster_pool
+
+    with local_cluster_pool(SPEC, [Tenant(n) for n in names], 256, ray_address) as pool:
+        return _run(pool, names, conversations, turns, verify, progress, "local Ray pool")
+
+
+def _run(pool, names: list[str], conversations: int, turns: int, verify: bool, progress: bool, where: str) -> dict:
+    tenants = len(names)
     prefill = ToyPrefill(SPEC)
     reqs = workload(tenants, conversations, turns)
     ct = SPEC.chunk_tokens
     per_tenant = {n: {"requests": 0, "tokens": 0, "hit_tokens": 0, "cold_s": 0.0, "warm_s": 0.0} for n in names}
     verified = 0
-    monitor = HealthMonitor(pool.store)
+    monitor = HealthMonitor(pool.store) if isinstance(pool, LocalPool) else None
     with Progress(len(reqs), "demo", enabled=progress) as bar:
         for r in reqs:
             t0 = time.perf_counter()
@@ -115,16 +131,16 @@ def run(tenants: int = 3, conversations: int = 2, turns: int = 4, verify: bool =
             s["cold_s"] += cold
             s["warm_s"] += warm
             bar.advance(note=r.tenant)
-    health = monitor.sample()
-    stats = pool.store.stats()
+    verdicts = monitor.sample()["verdicts"] if monitor else []
+    stats = pool.store.stats() if isinstance(pool, LocalPool) else pool.stats()
     return {"tenants": per_tenant, "verified_chunks": verified, "store": stats, "spec": SPEC.to_dict(),
-            "health": [{"figure": v.figure, "value": v.value, "ok": v.ok} for v in health["verdicts"]],
-            "health_lines": [str(v) for v in health["verdicts"]]}
+            "where": where, "health": [{"figure": v.figure, "value": v.value, "ok": v.ok} for v in verdicts],
+            "health_lines": [str(v) for v in verdicts]}
 
 
 def format_report(result: dict) -> str:
     lines = [
-        f"kvpool demo: in-process pool, toy prefill of {result['spec']['model_id']} "
+        f"kvpool demo: {result['where']}, toy prefill of {result['spec']['model_id']} "
         f"({result['spec']['num_layers']} layers, chunks of {result['spec']['chunk_tokens']} tokens)",
         "",
         f"{'tenant':<10}{'requests':>9}{'tokens':>9}{'hit rate':>10}{'no pool s':>11}{'pool s':>9}{'speed-up':>10}",
@@ -146,10 +162,10 @@ def format_report(result: dict) -> str:
         "per tenant: " + ", ".join(f"{t} {v['bytes'] / 2**20:.1f} MiB" for t, v in st["tenants"].items()),
         f"verified: {result['verified_chunks']} loaded chunks equal their recomputation exactly",
         f"policy: {st['policy']} {st['policy_stats']}",
-        "",
-        "health (this run; a cold start is not warm traffic, so a low hit rate is expected here):",
-        *("  " + line for line in result["health_lines"]),
     ]
+    if result["health_lines"]:
+        lines += ["", "health (this run; a cold start is not warm traffic, so a low hit rate is expected here):",
+                  *("  " + line for line in result["health_lines"])]
     return "\n".join(lines)
 
 

@@ -22,8 +22,11 @@ def test_bench_store_json_has_the_figures_and_they_are_sane():
     assert out["hash_tokens_per_s"] > 20e6
 
 
-def test_demo_reuses_kv_and_verifies_it():
-    out = json.loads(kvpool("demo", "--json", "--tenants", "2", "--conversations", "1", "--turns", "3").stdout)
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_demo_reuses_kv_and_verifies_it(backend):
+    out = json.loads(kvpool("demo", "--json", "--backend", backend, "--tenants", "2", "--conversations", "1",
+                            "--turns", "3").stdout)
+    assert out["where"] == {"ray": "local Ray pool", "local": "in-process pool"}[backend]
     assert set(out["tenants"]) == {"tenant-0", "tenant-1"}
     for s in out["tenants"].values():
         assert s["requests"] == 3

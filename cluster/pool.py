@@ -1,0 +1,95 @@
+"""ClusterPool: LocalPool's surface (keys, load, save) over a PoolClient, so the same engine-side
+code runs on one process or on a Ray cluster. And ``local_cluster_pool``: a one-node Ray pool
+started in this process (what `kvpool demo` runs on)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.keys import ChunkKey, Namespace, chunk_keys
+from kvpool.pool import torch_dtype
+from kvpool.spec import KVSpec
+from kvpool.tenants import SHARED_SALT, Tenant
+
+
+class ClusterPool:
+    def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
+        self.spec = spec
+        self.client = client
+        self._salts = {t.id: t.salt for t in tenants}
+        self._fp = spec.fingerprint()
+
+    def keys(self, tenant: str, tokens: object, *, shared: bool = False) -> list[ChunkKey]:
+        salt = SHARED_SALT if shared else self._salts[tenant]
+        return chunk_keys(tokens, Namespace(salt, self._fp), self.spec.chunk_tokens)
+
+    def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None):
+        return None  # NOTE: leases of requests in flight are per store; across the cluster, a later issue
+
+    def end(self, request) -> None:
+        pass
+
+    def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
+        dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
+        return [torch.from_numpy(a).view(dtype).reshape(shape) for a in self.client.get(tenant, keys)]
+
+    def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
+             shared: bool = False, request=None) -> int:
+        payloads = [c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for c in chunks]
+        return self.client.put(tenant, list(keys[start : start + len(chunks)]), payloads, shared=shared,
+                               first_position=start)
+
+    def stats(self) -> dict:
+        """The shards' stats summed into one store-shaped dict."""
+        import ray
+
+        from kvpool.cluster.shard import shard_name
+
+        total = {"tiers": {}, "tenants": {}, "chunks": 0, "policy": None, "policy_stats": {},
+                 "metrics": {"evictions": {}, "checksum_failures": {}}, "shards": len(self.client.shards)}
+        for sid in self.client.shards:
+            st = ray.get(ray.get_actor(shard_name(self.client.pool, sid), namespace=self.client.namespace)
+                         .stats.remote(), timeout=self.client.timeout_s)
+            total["chunks"] += st["chunks"]
+            total["policy"] = st["policy"]
+            for tier, t in st["tiers"].items():
+                acc = total["tiers"].setdefault(tier, {k: 0 for k in t})
+                for k, v in t.items():
+                    acc[k] += v
+            for ten, t in st["tenants"].items():
+                total["tenants"].setdefault(ten, {"bytes": 0})["bytes"] += t["bytes"]
+            for m in ("evictions", "checksum_failures"):
+                for label, v in st["metrics"][m].items():
+                    total["metrics"][m][label] = total["metrics"][m].get(label, 0) + v
+        return total
+
+
+@contextlib.contextmanager
+def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int, address: str | None = None):
+    """A pool on local Ray (started here, or ``address``) with the embedded index; torn down after."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from kvpool.cluster.bootstrap import down, up
+    from kvpool.cluster.client import PoolClient
+
+    ns = "kvpool-demo"
+    if address:
+        ray.init(address=address, namespace=ns, logging_level="ERROR", log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR", log_to_driver=False)
+    client = None
+    try:
+        up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": dram_chunks},
+           tenants=[{"id": t.id} for t in tenants], namespace=ns)
+        client = PoolClient(namespace=ns, timeout_s=10.0)
+        yield ClusterPool(spec, client, tenants)
+    finally:
+        if client is not None:
+            client.close()
+        down(namespace=ns)
+        ray.shutdown()
