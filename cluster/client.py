@@ -39,8 +39,9 @@ _RAY_FAIL = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.e
 
 class PoolClient:
     def __init__(self, pool: str = "default", index_url: str | None = None, timeout_s: float = 2.0,
-                 namespace: str | None = None, refresh: bool = True) -> None:
+                 namespace: str | None = None, refresh: bool = True, replicas: int = 1) -> None:
         self.pool = pool
+        self.replicas = replicas  # copies of each chunk put (hot prefixes may ask for more)
         self.timeout_s = timeout_s
         self.namespace = namespace
         self.controller = ray.get_actor(CONTROLLER, namespace=namespace)
@@ -97,15 +98,16 @@ class PoolClient:
     # ---------------------------------------------------------------- writes
     def put(self, tenant: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
             first_position: int = 0) -> int:
-        """Stores chunks on their owners; how many were stored. Failures are logged and counted,
-        not raised (a chunk not stored is a future miss), except a tenant's own 429."""
+        """Stores each chunk on its owner (and ``replicas - 1`` more shards); how many copies were
+        stored. Failures are logged and counted, not raised (a chunk not stored is a future miss),
+        except a tenant's own 429."""
         arrays = [as_byte_array(p) for p in payloads]
         groups: dict[str, list[int]] = {}
         with self._lock:
             for i, k in enumerate(keys):
-                (owner,) = self.ring.place(bytes(k), self._loads)
-                self._loads[owner] += 1
-                groups.setdefault(owner, []).append(i)
+                for owner in self.ring.place(bytes(k), self._loads, replicas=self.replicas):
+                    self._loads[owner] += 1
+                    groups.setdefault(owner, []).append(i)
         stored = 0
         pending = []
         for sid, idx in groups.items():
@@ -178,14 +180,18 @@ class PoolClient:
                 continue  # gone from the ring (misses), or served from the lease below
             remote.append((sid, idx, handle.get.remote([bytes(keys[i]) for i in idx], tenant)))
         if lease_ref is not None:
-            got.update(self._read_lease(local, lease_ref, keys, by_shard.get(local, []), outs))
+            mine = by_shard.get(local, [])
+            got.update(self._read_lease(local, lease_ref, keys, mine, outs))
+            if mine and mine[0] not in got:
+                got.update(self._from_replicas(tenant, keys, mine, local))
         for sid, idx, ref in remote:
             try:
                 arrays = ray.get(ref, timeout=self.timeout_s)
                 self.counts["get_ray"] += 1
             except _RAY_FAIL as e:
                 self.counts["get_failed"] += 1
-                log.warning("client: get from shard %s failed (%s): misses", sid, type(e).__name__)
+                log.warning("client: get from shard %s failed (%s): trying replicas", sid, type(e).__name__)
+                got.update(self._from_replicas(tenant, keys, idx, sid))
                 continue
             for i, a in zip(idx, arrays):
                 got[i] = a
@@ -196,6 +202,29 @@ class PoolClient:
             if i not in got:
                 break
             out.append(got[i])
+        return out
+
+    def _from_replicas(self, tenant: str, keys: Sequence[ChunkKey], idx: list[int], failed: str) -> dict[int, np.ndarray]:
+        """Reads positions ``idx`` (in order) from the other owners the ring gives their keys, when
+        the shard the index named failed. Stops at the first position no replica serves."""
+        if self.replicas < 2:
+            return {}
+        out: dict[int, np.ndarray] = {}
+        for i in idx:
+            for sid in self.ring.owners(bytes(keys[i]), self.replicas):
+                h = self._handles.get(sid)
+                if sid == failed or h is None:
+                    continue
+                try:
+                    (a,) = ray.get(h.get.remote([bytes(keys[i])], tenant), timeout=self.timeout_s) or [None]
+                except (_RAY_FAIL + (ValueError,)):
+                    continue
+                if a is not None:
+                    out[i] = a
+                    self.counts["get_replica"] += 1
+                    break
+            if i not in out:
+                break
         return out
 
     def _read_lease(self, sid: str, ref, keys: Sequence[ChunkKey], wanted: list[int],

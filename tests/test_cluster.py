@@ -175,6 +175,27 @@ def test_draining_a_shard_turns_its_chunks_into_misses_and_takes_it_out_of_the_r
     assert victim not in client.ring.weights
 
 
+def test_replicas_serve_what_a_dead_shard_held(cluster, client):
+    c, nodes = cluster
+    rc = PoolClient(timeout_s=TIMEOUT, replicas=2, refresh=False)
+    keys = make_keys(40, seed=10)
+    assert rc.put("a", keys, [truth(i) for i in range(40)]) == 80  # two copies of each
+    victim = shard_id_of(nodes[1].node_id)
+    hit = rc.lookup(keys)
+    assert victim in hit.shards
+    from kvpool.cluster.shard import shard_name
+
+    ray.kill(ray.get_actor(shard_name("default", victim)))
+    got = rc.get("a", keys, hit)  # the index still names the dead shard: replicas answer
+    assert len(got) == 40 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
+    assert rc.counts["get_replica"] >= hit.shards.count(victim)
+    rc.close()
+    deadline = time.monotonic() + 15  # the controller notices the dead shard and drops it
+    while victim in client.ring.weights and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert victim not in client.ring.weights
+
+
 def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(cluster, client):
     c, nodes = cluster
     keys = make_keys(120, seed=6)
