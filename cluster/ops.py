@@ -24,6 +24,10 @@ def connect(address: str | None, start_local: bool) -> None:
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         return
+    # NOTE: a local pool's Ray binds to the loopback address only, and runs without Ray's token
+    # auth: otherwise a token left in ~/.ray by any earlier local Ray makes the head and its
+    # clients disagree (seen here: InvalidAuthToken). A cluster given by --ray-address keeps its own.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     running = _local_ray_address()
     if running:
         ray.init(address=running, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
@@ -41,7 +45,17 @@ def connect(address: str | None, start_local: bool) -> None:
                            capture_output=True, text=True, timeout=120)
         if r.returncode:
             raise SystemExit(f"kvpool: could not start a local Ray head:\n{r.stderr[-2000:]}")
-        ray.init(address=f"127.0.0.1:{port}", namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        import time
+
+        for attempt in range(4):  # a loaded machine can take a while to bring the head's GCS up
+            try:
+                ray.init(address=f"127.0.0.1:{port}", namespace=NAMESPACE, logging_level="ERROR",
+                         log_to_driver=False)
+                return
+            except ConnectionError:
+                if attempt == 3:
+                    raise
+                time.sleep(2.0 * (attempt + 1))
 
 
 def _local_ray_address(path: str = "/tmp/ray/ray_current_cluster") -> str | None:
@@ -65,12 +79,15 @@ def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[di
 
 
 def cmd_down(address: str | None, stop_ray: bool) -> int:
-    connect(address, start_local=False)
-    n = down(namespace=NAMESPACE)
-    ray.shutdown()
-    if stop_ray:
-        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                       capture_output=True, timeout=120)
+    n = 0
+    try:
+        connect(address, start_local=False)
+        n = down(namespace=NAMESPACE)
+        ray.shutdown()
+    finally:
+        if stop_ray:  # even when the pool could not be reached: leave no Ray behind
+            subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
+                           capture_output=True, timeout=120)
     return n
 
 

@@ -78,6 +78,8 @@ def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int
     from kvpool.cluster.client import PoolClient
 
     ns = "kvpool-demo"
+    if not address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback only; see kvpool.cluster.ops
     if address:
         ray.init(address=address, namespace=ns, logging_level="ERROR", log_to_driver=False)
     else:

@@ -14,6 +14,9 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # NOTE: keeps every Ray node of the tests on the loopback address (Ray otherwise picks the
 # machine's outbound interface); must be set before Ray starts.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# The tests' Ray clusters are loopback-only: no token auth (a token left in ~/.ray by another
+# local Ray would otherwise make heads and clients disagree).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru",
