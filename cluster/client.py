@@ -59,8 +59,10 @@ class PoolClient:
         self._loads: Counter[str] = Counter()
         self._apply(ray.get(self.controller.state.remote(), timeout=30))
         self._stop = threading.Event()
+        self._follower = None
         if refresh:
-            threading.Thread(target=self._follow, daemon=True, name="kvpool-ring").start()
+            self._follower = threading.Thread(target=self._follow, daemon=True, name="kvpool-ring")
+            self._follower.start()
 
     # ---------------------------------------------------------------- ring and shards
     def _apply(self, state: dict) -> None:
@@ -76,7 +78,7 @@ class PoolClient:
     def _follow(self) -> None:
         while not self._stop.is_set():
             try:
-                state = ray.get(self.controller.wait.remote(self.ring.version, 5.0), timeout=15)
+                state = ray.get(self.controller.wait.remote(self.ring.version, 2.0), timeout=10)
                 if state["version"] != self.ring.version:
                     self._apply(state)
             except BaseException as e:  # noqa: BLE001 - keep following; the data path does not depend on it
@@ -89,7 +91,11 @@ class PoolClient:
         self._apply(ray.get(self.controller.state.remote(), timeout=self.timeout_s))
 
     def close(self) -> None:
+        """Stops following the ring; waits for the follower (its long poll ends within seconds)
+        so that no thread is inside a Ray call when Ray shuts down."""
         self._stop.set()
+        if self._follower is not None and self._follower is not threading.current_thread():
+            self._follower.join(timeout=20)
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
