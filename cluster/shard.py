@@ -26,6 +26,7 @@ from kvpool.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("kvpool.shard")
 SHM_DIR = "/dev/shm"
+RECONCILE_EVERY = 6  # heartbeats (ttl/3 each) between two reconciles with the index
 
 
 def shard_name(pool: str, shard_id: str) -> str:
@@ -73,8 +74,14 @@ class ShardActor:
         self.index.register_shard(self.shard_id, self.node_id, self.ttl_s)
 
     def _heartbeat(self) -> None:
+        beats = 0
         while not self._stop.wait(self.ttl_s / 3):
+            beats += 1
             try:
+                if beats % RECONCILE_EVERY == 0:
+                    # Republishes what it holds and the index forgot (a replica whose primary died
+                    # and was purged), and drops index entries it no longer backs.
+                    self.reconcile()
                 try:
                     self.index.heartbeat(self.shard_id, self.ttl_s)
                 except BadRequest:  # the index forgot us (restarted empty): rejoin and republish

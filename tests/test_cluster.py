@@ -193,11 +193,17 @@ def test_replicas_serve_what_a_dead_shard_held(cluster, client):
     got = rc.get("a", keys, hit)  # the index still names the dead shard: replicas answer
     assert len(got) == 40 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
     assert rc.counts["get_replica"] >= hit.shards.count(victim)
-    rc.close()
     deadline = time.monotonic() + 15  # the controller notices the dead shard and drops it
     while victim in client.ring.weights and time.monotonic() < deadline:
         time.sleep(0.2)
     assert victim not in client.ring.weights
+    # Its index entries are purged; the replicas' periodic reconcile publishes their copies again.
+    deadline = time.monotonic() + 20
+    while rc.lookup(keys).count < 40 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    hit = rc.lookup(keys)
+    assert hit.count == 40 and victim not in hit.shards
+    rc.close()
 
 
 def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(cluster, client):
