@@ -19,7 +19,7 @@ import numpy as np
 import ray
 
 from kvpool.errors import BadRequest, KvPoolError
-from kvpool.index import IndexEntry, open_index
+from kvpool.index import open_index
 from kvpool.keys import ChunkKey
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry

@@ -242,8 +242,3 @@ class TieredCache:
         self.node_page[node] = page
         self.policies[t + 1].on_insert(node, res.depth[node], None)
         self.counts["demoted"] += 1
-
-
-def parent_of(nodes_before: list[int]) -> int:
-    """The parent node for the next chunk of a request whose resident run is ``nodes_before``."""
-    return nodes_before[-1] if nodes_before else NO_PARENT

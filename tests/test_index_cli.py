@@ -1,7 +1,6 @@
 import json
 import subprocess
 import sys
-import uuid
 
 import pytest
 

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from kvpool import BadRequest, ChunkKey, QuotaExceeded, UnknownTenant
+from kvpool import BadRequest, QuotaExceeded, UnknownTenant
 from kvpool.index import MAX_LOOKUP, EmbeddedIndex, IndexEntry
 from kvpool.index.redis_index import RedisIndex
 from conftest import make_keys

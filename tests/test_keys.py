@@ -121,7 +121,6 @@ def test_bad_tokens_are_rejected(bad, match):
 def test_hashing_128k_tokens_is_well_under_a_millisecond_per_chunk_chain():
     # The benchmark in docs/benchmarks.md measures this properly; here a loose guard against a
     # regression by orders of magnitude (e.g. a Python loop over tokens).
-    import time
 
     t = toks(128 * 1024).astype(np.int32)
     chunk_keys(t, ns(), 256)

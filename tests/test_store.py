@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvpool import (
-    BadRequest, ChunkKey, ChunkTooLarge, PoolFull, QuotaExceeded, Tenant, UnknownTenant,
+    BadRequest, ChunkTooLarge, PoolFull, QuotaExceeded, Tenant, UnknownTenant,
 )
 from conftest import make_keys, make_store, payload, snapshot
 

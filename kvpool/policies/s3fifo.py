@@ -78,7 +78,7 @@ class S3FifoPolicy(Policy):
         return self.small_fraction * max(self.size, 1)
 
     def victims(self) -> list[int]:
-        lists, freq, can = self.lists, self.freq, self.can_evict
+        lists, freq = self.lists, self.freq
         budget = 5 * self.size + 8
         while budget > 0:
             budget -= 1

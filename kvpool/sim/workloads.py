@@ -9,7 +9,6 @@ blocks a real pool would let them share (whole 512-token blocks of a common pref
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
 import numpy as np
