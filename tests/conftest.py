@@ -17,6 +17,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # The tests' Ray clusters are loopback-only: no token auth (a token left in ~/.ray by another
 # local Ray would otherwise make heads and clients disagree).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Triton kernels run under the interpreter on CPU-only machines; read when a kernel is decorated,
+# so it is set before any test imports kvpool.kernels.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
 
 
 def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru",
