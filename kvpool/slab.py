@@ -103,7 +103,9 @@ class Slab:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, max(total, 1))
-            mm = mmap.mmap(fd, max(total, 1))
+            if tier == "dram":
+                _reserve(fd, total, directory)
+            mm = mmap.mmap(fd, max(total, 1), flags=_map_flags(tier))
         finally:
             os.close(fd)
             if name is None:
@@ -123,7 +125,7 @@ class Slab:
         try:
             if os.fstat(fd).st_size < total:
                 raise BadRequest(f"slab {path!r} is smaller than {num_pages} x {page_bytes} B: wrong shard?")
-            mm = mmap.mmap(fd, total)
+            mm = mmap.mmap(fd, total, flags=_map_flags(tier))
         finally:
             os.close(fd)
         slab = cls._over(tier, page_bytes, num_pages, mm, total, unlink=None)
@@ -148,3 +150,24 @@ class Slab:
                     pass
 
         return cls(tier, page_bytes, num_pages, buf, closer=close)
+
+
+def _reserve(fd: int, total: int, directory: str) -> None:
+    """Allocates a shared-memory slab's pages now: a /dev/shm too small for the slab is a clear error
+    at start-up instead of a SIGBUS on some later write, and no put pays for first-touch faults."""
+    try:
+        os.posix_fallocate(fd, 0, max(total, 1))
+    except OSError as e:
+        raise BadRequest(f"cannot reserve {total} B of memory under {directory!r} ({e.strerror}): "
+                         "enlarge it (e.g. the pod's /dev/shm emptyDir) or lower dram_pages") from None
+
+
+def _map_flags(tier: str) -> int:
+    """Shared mappings; a DRAM slab's page tables are filled at map time (MAP_POPULATE), so the hot
+    path takes no page faults (measured: a put into fresh slab pages ran at ~1/3 of the speed of
+    one into pages already touched). Disk tiers are not populated: that would read the whole file."""
+    flags = mmap.MAP_SHARED
+    if tier == "dram":
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    return flags
+
