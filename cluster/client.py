@@ -18,6 +18,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -35,6 +36,15 @@ from kvpool.slab import Slab
 log = logging.getLogger("kvpool.client")
 _RAY_FAIL = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
              ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError)
+
+
+@dataclass
+class ClusterRequest:
+    """A request in flight across shards: the request id each shard gave its leases."""
+
+    tenant: str
+    shard_requests: dict[str, int]
+    hit_chunks: int
 
 
 class PoolClient:
@@ -100,6 +110,36 @@ class PoolClient:
     # ---------------------------------------------------------------- lookups
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
         return self.index.lookup(keys)
+
+    # ---------------------------------------------------------------- requests in flight
+    def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None,
+              hit: PrefixHit | None = None) -> "ClusterRequest":
+        """Leases, on every shard that holds some, the leading run of a request's cached chunks
+        until ``end``: eviction passes them over while the engine loads them. Best effort: a shard
+        that does not answer in time just leaves its chunks unleased (a later miss, a recompute)."""
+        hit = hit if hit is not None else self.index.lookup(keys)
+        by_shard: dict[str, list[bytes]] = {}
+        for i in range(hit.count):
+            by_shard.setdefault(hit.shards[i], []).append(bytes(keys[i]))
+        refs = [(sid, self._handles[sid].begin.remote(ks, tenant, priority))
+                for sid, ks in by_shard.items() if sid in self._handles]
+        ids = {}
+        for sid, ref in refs:
+            try:
+                ids[sid] = ray.get(ref, timeout=self.timeout_s)  # bad input (unknown tenant) raises
+            except _RAY_FAIL:
+                self.counts["begin_failed"] += 1
+        return ClusterRequest(tenant, ids, hit.count)
+
+    def end(self, request: "ClusterRequest | None") -> None:
+        """Ends the request on its shards (fire and forget: leases also expire on their own)."""
+        if request is None:
+            return
+        for sid, rid in request.shard_requests.items():
+            h = self._handles.get(sid)
+            if h is not None:
+                h.end.remote(rid)
+        request.shard_requests = {}
 
     # ---------------------------------------------------------------- writes
     def put(self, tenant: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,

@@ -28,10 +28,11 @@ class ClusterPool:
         return chunk_keys(tokens, Namespace(salt, self._fp), self.spec.chunk_tokens)
 
     def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None):
-        return None  # NOTE: leases of requests in flight are per store; across the cluster, a later issue
+        """A request starts: the leading run of its cached chunks is leased on their shards."""
+        return self.client.begin(tenant, keys, priority)
 
     def end(self, request) -> None:
-        pass
+        self.client.end(request)
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
@@ -40,8 +41,11 @@ class ClusterPool:
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
              shared: bool = False, request=None) -> int:
         payloads = [c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for c in chunks]
-        return self.client.put(tenant, list(keys[start : start + len(chunks)]), payloads, shared=shared,
-                               first_position=start)
+        try:
+            return self.client.put(tenant, list(keys[start : start + len(chunks)]), payloads, shared=shared,
+                                   first_position=start)
+        finally:
+            self.client.end(request)
 
     def stats(self) -> dict:
         """The shards' stats summed into one store-shaped dict."""

@@ -40,7 +40,7 @@ def _keys(raw) -> list[ChunkKey]:
 @ray.remote(num_cpus=0, max_concurrency=8)
 class ShardActor:
     def __init__(self, shard_id: str, pool: str, store: dict, tenants: list[dict], index_url: str | None,
-                 ttl_s: float = 5.0) -> None:
+                 ttl_s: float = 5.0, request_ttl_s: float = 600.0) -> None:
         self.shard_id = shard_id
         self.pool = pool
         cfg = dict(store)
@@ -58,6 +58,8 @@ class ShardActor:
         self.ttl_s = ttl_s
         self.node_id = ray.get_runtime_context().get_node_id()
         self.tenant_config = tenants
+        self.request_ttl_s = request_ttl_s
+        self._requests: dict[int, tuple[object, float]] = {}  # id -> (ActiveRequest, deadline)
         self._join()
         from kvpool.cluster.metrics import RayExporter
 
@@ -89,6 +91,7 @@ class ShardActor:
                     r = self.reconcile()
                     log.warning("shard %s: rejoined the index, republished %s", self.shard_id, r)
                 self.store.expire_holds()
+                self._expire_requests()
                 self._forget_gone()
                 self.store.stats()  # refreshes the gauges
                 self.exporter.export()
@@ -141,6 +144,31 @@ class ShardActor:
 
     def release(self, hold_id: int, corrupt=()) -> None:
         self.store.release(hold_id, _keys(corrupt))
+
+    # ---------------------------------------------------------------- requests in flight
+    def begin(self, keys, tenant: str, priority: str | None = None) -> int:
+        """Leases the leading run of ``keys`` held here until ``end`` (or ``request_ttl_s``, so a
+        client that died does not pin chunks forever); the request id."""
+        req = self.store.begin(tenant, _keys(keys), priority)
+        self._requests[req.id] = (req, time.monotonic() + self.request_ttl_s)
+        return req.id
+
+    def end(self, request_id: int) -> bool:
+        """Ends a request; False when it was unknown (expired, or the shard restarted)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self.store.end(entry[0])
+        return entry is not None
+
+    def requests(self) -> list[int]:
+        return sorted(self._requests)
+
+    def _expire_requests(self) -> None:
+        now = time.monotonic()
+        for rid, (req, deadline) in list(self._requests.items()):
+            if deadline < now or req.cancelled:
+                log.warning("shard %s: request %d %s", self.shard_id, rid, "cancelled" if req.cancelled else "expired")
+                self.end(rid)
 
     # ---------------------------------------------------------------- other nodes (bytes over Ray)
     def put(self, keys, payloads, tenant: str, shared: bool = False, parent=None, first_position: int = 0) -> int:

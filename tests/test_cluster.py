@@ -103,6 +103,28 @@ def test_tenants_never_read_each_others_chunks(client):
     assert client.get("b", keys) == []
 
 
+def test_a_request_in_flight_keeps_its_chunks_on_every_shard_until_it_ends(client):
+    keys, others = make_keys(30, seed=11), make_keys(30, seed=12)
+    assert client.put("a", keys, [truth(i) for i in range(30)]) == 30
+    assert client.put("a", others, [truth(i) for i in range(30)]) == 30
+    req = client.begin("a", keys)
+    assert req.hit_chunks == 30 and set(req.shard_requests) == set(client.lookup(keys).shards)
+    assert len(req.shard_requests) >= 2  # the leases span shards
+    flood = make_keys(3 * 256 + 100, seed=13)  # more than every shard's DRAM together
+    for i in range(0, len(flood), 64):  # in batches, like engines (a batch never evicts itself)
+        client.put("b", flood[i : i + 64], [truth(j) for j in range(i, min(i + 64, len(flood)))])
+    got = client.get("a", keys)
+    assert len(got) == 30 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
+    assert len(client.get("a", others)) < 30  # the same age, not leased: the flood took them
+    handles = dict(client._handles)
+    client.end(req)
+    assert req.shard_requests == {}
+    deadline = time.monotonic() + 5
+    while any(ray.get(h.requests.remote()) for h in handles.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # end is fire and forget
+    assert not any(ray.get(h.requests.remote()) for h in handles.values())
+
+
 def test_adding_a_node_moves_about_a_quarter_of_placements_and_old_data_still_hits(cluster, client):
     c, nodes = cluster
     keys = make_keys(200, seed=4)
