@@ -28,6 +28,23 @@ except ImportError:  # pragma: no cover
     pass
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU checks are deselected on machines without CUDA: they are not part of the CPU suite (so
+    never a skip in CI); the GPU script runs them with ``-m gpu``."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if has_cuda:
+        return
+    gpu = [it for it in items if it.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [it for it in items if not it.get_closest_marker("gpu")]
+
+
 def make_store(page_bytes=1024, dram_pages=4, disk_pages=0, disk_dir=None, tenants=None, policy="lru",
                policy_params=None, **config):
     reg = TenantRegistry(tenants or [Tenant("a"), Tenant("b")])
