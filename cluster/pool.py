@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpool.errors import UnknownTenant
 from kvpool.keys import ChunkKey, Namespace, chunk_keys
 from kvpool.pool import torch_dtype
 from kvpool.spec import KVSpec
@@ -23,9 +24,21 @@ class ClusterPool:
         self._salts = {t.id: t.salt for t in tenants}
         self._fp = spec.fingerprint()
 
-    def keys(self, tenant: str, tokens: object, *, shared: bool = False) -> list[ChunkKey]:
+    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
+                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
+        if not shared and tenant not in self._salts:
+            raise UnknownTenant(tenant)
         salt = SHARED_SALT if shared else self._salts[tenant]
-        return chunk_keys(tokens, Namespace(salt, self._fp), self.spec.chunk_tokens)
+        return Namespace(salt, self._fp, adapter_id, tuple(extra_keys))
+
+    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
+             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
+        ns = self.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
+        return chunk_keys(tokens, ns, self.spec.chunk_tokens)
+
+    def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Tokens covered by the leading run of chunks the index lists (one round trip)."""
+        return self.client.lookup(keys).count * self.spec.chunk_tokens
 
     def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None):
         """A request starts: the leading run of its cached chunks is leased on their shards."""

@@ -32,7 +32,7 @@ STORAGE_FORMATS = ("raw", "fp8", "int8", "int4-kivi", "int2-kivi")
 DEFAULT_HIGH_WATERMARK = {"raw": 0.90, "fp8": 0.95, "int8": 0.95, "int4-kivi": 0.97, "int2-kivi": 0.97}
 
 # Bumped whenever the chunk layout or the key derivation changes meaning.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block_size left out of the fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +83,12 @@ class KVSpec:
         return n
 
     def fingerprint(self) -> bytes:
-        """16 stable bytes naming this layout: the same on every machine and Python run."""
-        fields = dataclasses.astuple(self)
+        """16 stable bytes naming this layout: the same on every machine and Python run.
+
+        NOTE: the engine's ``block_size`` is left out: a chunk's bytes are in the canonical layout
+        whatever paging the engine used, so vLLM (blocks of 16 or 32) and transformers (no blocks)
+        hit each other's chunks of the same model, dtype and chunk size."""
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "block_size"]
         return xxhash.xxh3_128_digest(msgpack.packb([FORMAT_VERSION, *fields]))
 
     def to_dict(self) -> dict:
