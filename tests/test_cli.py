@@ -36,6 +36,16 @@ def test_demo_reuses_kv_and_verifies_it(backend):
     assert out["store"]["metrics"]["checksum_failures"] == {}
 
 
+def test_bench_kernels_json_has_every_kernel_and_sane_figures():
+    out = json.loads(kvpool("bench", "kernels", "--json", "--context", "2048").stdout)
+    assert out["impl"] == "torch" and out["chunk_bytes"] == 8 * 2 * 256 * 8 * 128 * 4
+    assert 0 < out["gather_vs_copy"] < 5 and 0 < out["scatter_vs_copy"] < 5
+    assert set(out["quant"]) == {"fp8", "int8", "int4-kivi", "int2-kivi"}
+    assert out["quant"]["int2-kivi"]["ratio"] > out["quant"]["int4-kivi"]["ratio"] > out["quant"]["fp8"]["ratio"] > 1
+    assert set(out["score_ms"]) == {"streaming_llm", "h2o", "snapkv", "pyramidkv", "adakv", "quest"}
+    assert all(ms > 0 for ms in out["score_ms"].values())
+
+
 def test_cli_usage_errors_exit_nonzero():
     r = kvpool("bench", "nosuch", check=False)
     assert r.returncode != 0 and "invalid choice" in r.stderr
