@@ -54,11 +54,8 @@ class ClusterPool:
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
              shared: bool = False, request=None) -> int:
         payloads = [c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for c in chunks]
-        try:
-            return self.client.put(tenant, list(keys[start : start + len(chunks)]), payloads, shared=shared,
-                                   first_position=start)
-        finally:
-            self.client.end(request)
+        return self.client.put(tenant, list(keys[start : start + len(chunks)]), payloads, shared=shared,
+                               first_position=start)
 
     def stats(self) -> dict:
         """The shards' stats summed into one store-shaped dict."""

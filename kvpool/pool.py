@@ -105,8 +105,9 @@ class LocalPool:
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *,
              start: int = 0, shared: bool = False, request: ActiveRequest | None = None) -> int:
         """Stores the chunks of ``keys[start:]`` (``[layers, 2, chunk_tokens, kv_heads, head_dim]``
-        each) and ends the request: the policy hears once of all its chunks. Returns how many were
-        stored. Everything is validated before anything is written."""
+        each); the policy hears once of all the request's chunks. Returns how many were stored.
+        Everything is validated before anything is written. The new chunks stay leased with
+        ``request`` until the caller ends it."""
         if start < 0 or start + len(chunks) > len(keys):
             raise LayoutMismatch(
                 f"{len(chunks)} chunks from position {start} but only {len(keys)} keys: only whole chunks are keyed"
