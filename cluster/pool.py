@@ -83,8 +83,10 @@ class ClusterPool:
 
 
 @contextlib.contextmanager
-def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int, address: str | None = None):
-    """A pool on local Ray (started here, or ``address``) with the embedded index; torn down after."""
+def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int, address: str | None = None,
+                       index_url: str | None = None):
+    """A pool on local Ray (started here, or ``address``) with the embedded index (or Redis at
+    ``index_url``); torn down after."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
@@ -101,8 +103,8 @@ def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int
     client = None
     try:
         up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": dram_chunks},
-           tenants=[{"id": t.id} for t in tenants], namespace=ns)
-        client = PoolClient(namespace=ns, timeout_s=10.0)
+           tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
+        client = PoolClient(namespace=ns, timeout_s=10.0, index_url=index_url)
         yield ClusterPool(spec, client, tenants)
     finally:
         if client is not None:

@@ -10,10 +10,10 @@ from kvpool.errors import KvPoolError
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvpool import demo
+    from kvpool.connectors import demo
 
     result = demo.run(tenants=args.tenants, conversations=args.conversations, turns=args.turns,
-                      progress=not args.json, backend=args.backend, ray_address=args.ray_address)
+                      progress=not args.json, backend=args.backend, ray_address=args.ray_address, redis=args.redis)
     print(json.dumps(result, indent=2) if args.json else demo.format_report(result))
     return 0
 
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", choices=["ray", "local"], default="ray",
                    help="ray: local Ray with the embedded index (default); local: this process only")
     d.add_argument("--ray-address", help="run on this Ray cluster instead of a local one")
+    d.add_argument("--redis", help="keep the index in this Redis (redis://...) instead of the embedded one")
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=_demo)
 

@@ -26,14 +26,22 @@ def test_bench_store_json_has_the_figures_and_they_are_sane():
 def test_demo_reuses_kv_and_verifies_it(backend):
     out = json.loads(kvpool("demo", "--json", "--backend", backend, "--tenants", "2", "--conversations", "1",
                             "--turns", "3").stdout)
-    assert out["where"] == {"ray": "local Ray pool", "local": "in-process pool"}[backend]
+    assert out["where"] == {"ray": "local Ray pool, embedded index", "local": "in-process pool"}[backend]
     assert set(out["tenants"]) == {"tenant-0", "tenant-1"}
     for s in out["tenants"].values():
         assert s["requests"] == 3
         # turns 2 and 3 re-send the whole history: at least the system prompt (512 tokens) hits
         assert s["hit_tokens"] >= 2 * 512
-    assert out["verified_chunks"] > 0
+        assert s["warm_s"] < s["cold_s"]
+    assert out["verified_requests"] == 6 and out["worst_relative_diff"] <= 1e-5
     assert out["store"]["metrics"]["checksum_failures"] == {}
+
+
+def test_demo_keeps_its_index_in_redis_when_asked(redis_url):
+    out = json.loads(kvpool("demo", "--json", "--redis", redis_url, "--tenants", "1", "--conversations", "1",
+                            "--turns", "2").stdout)
+    assert out["where"] == "local Ray pool, index in Redis"
+    assert out["tenants"]["tenant-0"]["hit_tokens"] >= 512 and out["verified_requests"] == 2
 
 
 def test_bench_kernels_json_has_every_kernel_and_sane_figures():
