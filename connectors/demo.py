@@ -58,6 +58,7 @@ def workload(tenants: int = 3, conversations: int = 2, turns: int = 4, seed: int
 def run(tenants: int = 3, conversations: int = 2, turns: int = 4, progress: bool = True, backend: str = "ray",
         ray_address: str | None = None, redis: str | None = None) -> dict:
     names = [f"tenant-{t}" for t in range(tenants)]
+    torch.set_flush_denormal(True)  # NOTE: see kvpool.connectors.bench_ttft: random weights make denormals
     model = demo_model()
     spec = model_spec(model, model_id="kvpool/demo-llama", chunk_tokens=CHUNK)
     if backend == "local":

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from kvpool.errors import KvPoolError
+from kvpool.errors import BadRequest, KvPoolError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -169,6 +169,18 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ttft(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_ttft
+
+    try:
+        contexts = [int(c) for c in args.context.split(",")]
+    except ValueError:
+        raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
+    rows = bench_ttft.run(args.engine, contexts, progress=not args.json)
+    print(json.dumps(rows, indent=2) if args.json else bench_ttft.format_table(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--context", type=int, default=32768)
     bk.add_argument("--json", action="store_true")
     bk.set_defaults(func=_bench_kernels)
+    bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
+    bt.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    bt.add_argument("--json", action="store_true")
+    bt.set_defaults(func=_bench_ttft)
     return p
 
 
