@@ -130,6 +130,90 @@ def run(nodes: int = 2, chunk_mib: int = 32, chunks: int = 4, trials: int = 5, p
         c.shutdown()
 
 
+@ray.remote(num_cpus=0)
+class _Client:
+    """A pool client on one node, as an engine there would hold."""
+
+    def __init__(self, timeout_s: float) -> None:
+        from kvpool.cluster.client import PoolClient
+
+        self.c = PoolClient(timeout_s=timeout_s, refresh=False)
+
+    def refresh(self) -> int:
+        self.c.refresh()
+        return len(self.c.ring)
+
+    def traffic(self, salt: int, chunks: int, nbytes: int, rounds: int) -> tuple[int, float]:
+        """Puts then gets ``chunks`` fresh chunks per round; (bytes moved, seconds)."""
+        spec = KVSpec("bench", 32, 8, 128)
+        src = [np.full(nbytes, (salt + i) % 251, dtype=np.uint8) for i in range(chunks)]
+        moved, t0 = 0, time.perf_counter()
+        for r in range(rounds):
+            keys = chunk_keys(np.arange(256 * chunks) + (salt * 100 + r) * 10**5, Namespace.for_spec(spec, b"b"), 256)
+            moved += self.c.put("bench", keys, src) * nbytes
+            got = self.c.get("bench", keys)
+            assert all(g[0] == (salt + i) % 251 for i, g in enumerate(got)), "wrong bytes"
+            moved += sum(g.shape[0] for g in got)
+        return moved, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def run_aggregate(max_nodes: int = 3, chunk_mib: int = 8, chunks: int = 4, rounds: int = 4,
+                  progress: bool = True) -> list[dict]:
+    """Aggregate put+get throughput with one client per node, all clients at once, as the cluster
+    grows from 1 to ``max_nodes`` nodes (one shard each). Keys spread over every shard, so most
+    bytes cross nodes."""
+    from ray.cluster_utils import Cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvpool.cluster.bootstrap import up
+
+    nb = chunk_mib << 20
+    store = {"page_bytes": nb, "dram_pages": chunks * max_nodes * 2}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                      "object_store_memory": 512 << 20})
+    ray.init(address=c.address, namespace="kvpool-bench")
+    rows = []
+    try:
+        nodes = [ray.get_runtime_context().get_node_id()]
+        with Progress(max_nodes, "bench datapath --aggregate", enabled=progress) as bar:
+            for n in range(1, max_nodes + 1):
+                if n > 1:
+                    nodes.append(c.add_node(num_cpus=1, object_store_memory=512 << 20).node_id)
+                    c.wait_for_nodes()
+                up(store=store, tenants=[{"id": "bench"}])
+                clients = [_Client.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+                           .remote(60.0) for nid in nodes]
+                assert all(k == n for k in ray.get([cl.refresh.remote() for cl in clients], timeout=120))
+                t0 = time.perf_counter()
+                res = ray.get([cl.traffic.remote(i + 10 * n, chunks, nb, rounds) for i, cl in enumerate(clients)],
+                              timeout=600)
+                wall = time.perf_counter() - t0
+                total = sum(m for m, _ in res)
+                rows.append({"nodes": n, "clients": n, "bytes": total, "seconds": wall, "gbps": total / wall / 1e9})
+                ray.get([cl.close.remote() for cl in clients], timeout=60)
+                for cl in clients:
+                    ray.kill(cl)
+                bar.advance(note=f"{n} nodes")
+        from kvpool.cluster.bootstrap import down
+
+        down(namespace="kvpool-bench")
+        return rows
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def format_aggregate(rows: list[dict]) -> str:
+    base = rows[0]["gbps"]
+    lines = [f"{'nodes':>5}{'clients':>8}{'GB moved':>10}{'GB/s':>8}{'vs 1 node':>11}"]
+    lines += [f"{r['nodes']:>5}{r['clients']:>8}{r['bytes'] / 1e9:>10.2f}{r['gbps']:>8.2f}{r['gbps'] / base:>10.2f}x"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def format_table(r: dict) -> str:
     lines = [f"{r['nodes']} nodes on one machine; {r['chunks']} chunks of {r['chunk_bytes'] >> 20} MiB per trial, "
              f"median of {r['trials']}",
