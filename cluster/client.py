@@ -28,7 +28,8 @@ from kvpool.checksum import copy_with_checksum
 from kvpool.cluster.controller import CONTROLLER
 from kvpool.cluster.ring import HashRing
 from kvpool.cluster.shard import shard_name
-from kvpool.errors import KvPoolError
+from kvpool.cluster.transport import TRANSPORTS
+from kvpool.errors import BadRequest, KvPoolError
 from kvpool.index import PrefixHit, open_index
 from kvpool.keys import ChunkKey
 from kvpool.slab import Slab
@@ -49,7 +50,11 @@ class ClusterRequest:
 
 class PoolClient:
     def __init__(self, pool: str = "default", index_url: str | None = None, timeout_s: float = 2.0,
-                 namespace: str | None = None, refresh: bool = True, replicas: int = 1) -> None:
+                 namespace: str | None = None, refresh: bool = True, replicas: int = 1,
+                 transport: str = "ray") -> None:
+        if transport not in TRANSPORTS:
+            raise BadRequest(f"transport {transport!r} is not one of {sorted(TRANSPORTS)}")
+        self.transport = TRANSPORTS[transport]()
         self.pool = pool
         self.replicas = replicas  # copies of each chunk put (hot prefixes may ask for more)
         self.timeout_s = timeout_s
@@ -161,13 +166,13 @@ class PoolClient:
             if sid in self._slabs:
                 stored += self._put_local(sid, tenant, ks, [arrays[i] for i in idx], shared, first_position + idx[0])
             else:
-                ref = self._handles[sid].put.remote(ks, [arrays[i] for i in idx], tenant, shared, None,
-                                                    first_position + idx[0])
+                ref = self.transport.send(self._handles[sid], ks, [arrays[i] for i in idx], tenant, shared,
+                                          first_position + idx[0])
                 pending.append((sid, ref))
         for sid, ref in pending:
             try:
-                stored += ray.get(ref, timeout=self.timeout_s)
-                self.counts["put_ray"] += 1
+                stored += self.transport.wait(ref, self.timeout_s)
+                self.counts["put_" + self.transport.name] += 1
             except KvPoolError as e:
                 if e.status == 429:
                     raise
@@ -224,7 +229,7 @@ class PoolClient:
             handle = self._handles.get(sid)
             if handle is None or sid == local:
                 continue  # gone from the ring (misses), or served from the lease below
-            remote.append((sid, idx, handle.get.remote([bytes(keys[i]) for i in idx], tenant)))
+            remote.append((sid, idx, self.transport.fetch(handle, [bytes(keys[i]) for i in idx], tenant)))
         if lease_ref is not None:
             mine = by_shard.get(local, [])
             got.update(self._read_lease(local, lease_ref, keys, mine, outs))
@@ -232,8 +237,8 @@ class PoolClient:
                 got.update(self._from_replicas(tenant, keys, mine, local))
         for sid, idx, ref in remote:
             try:
-                arrays = ray.get(ref, timeout=self.timeout_s)
-                self.counts["get_ray"] += 1
+                arrays = self.transport.wait(ref, self.timeout_s)
+                self.counts["get_" + self.transport.name] += 1
             except _RAY_FAIL as e:
                 self.counts["get_failed"] += 1
                 log.warning("client: get from shard %s failed (%s): trying replicas", sid, type(e).__name__)
@@ -262,7 +267,8 @@ class PoolClient:
                 if sid == failed or h is None:
                     continue
                 try:
-                    (a,) = ray.get(h.get.remote([bytes(keys[i])], tenant), timeout=self.timeout_s) or [None]
+                    (a,) = self.transport.wait(self.transport.fetch(h, [bytes(keys[i])], tenant),
+                                               self.timeout_s) or [None]
                 except (_RAY_FAIL + (ValueError,)):
                     continue
                 if a is not None:

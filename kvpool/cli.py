@@ -156,6 +156,10 @@ def _stats(args: argparse.Namespace) -> int:
 def _bench_datapath(args: argparse.Namespace) -> int:
     from kvpool.bench import datapath
 
+    if args.rdt:
+        result = datapath.probe_rdt()
+        print(json.dumps(result, indent=2))
+        return 0
     if args.aggregate:
         rows = datapath.run_aggregate(max_nodes=args.nodes, progress=not args.json)
         print(json.dumps(rows, indent=2) if args.json else datapath.format_aggregate(rows))
@@ -257,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd = bsub.add_parser("datapath", help="same-node and cross-node chunk transfer vs copy and raw Ray")
     bd.add_argument("--nodes", type=int, default=2, help="nodes (with --aggregate: grow from 1 to this many)")
     bd.add_argument("--aggregate", action="store_true", help="one client per node at once, 1..N nodes")
+    bd.add_argument("--rdt", action="store_true", help="probe Ray's direct tensor transport against the object store")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=_bench_datapath)
     bk = bsub.add_parser("kernels", help="paged gather/scatter vs a plain copy, quantization, scoring at 32K")
