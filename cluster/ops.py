@@ -14,6 +14,7 @@ import ray  # noqa: E402
 from kvpool.cluster.bootstrap import down, up  # noqa: E402
 from kvpool.cluster.controller import CONTROLLER  # noqa: E402
 from kvpool.cluster.shard import shard_name  # noqa: E402
+from kvpool.health import figures_from_stats  # noqa: E402
 
 NAMESPACE = "kvpool"
 
@@ -102,6 +103,12 @@ def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:
             out["shards"][sid] = ray.get(h.stats.remote(), timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead shard is reported, not fatal
             out["shards"][sid] = {"error": f"{type(e).__name__}: {e}"}
+    live = [s for s in out["shards"].values() if "error" not in s]
+    health = figures_from_stats(live)
+    out["health"] = [{"figure": v.figure, "value": v.value, "low": v.low, "high": v.high, "ok": v.ok}
+                     for v in health["verdicts"]]
+    out["health_lines"] = [str(v) for v in health["verdicts"]]
+    out["healthy"] = all(v.ok for v in health["verdicts"]) and len(live) == len(out["shards"])
     return out
 
 
@@ -122,4 +129,8 @@ def format_stats(st: dict) -> str:
         tenants = ", ".join(f"{k} {v['bytes'] / 2**20:.1f} MiB" for k, v in s["tenants"].items() if v["bytes"])
         if tenants:
             lines.append(f"{'':<20}tenants: {tenants}")
+    if st.get("health_lines"):
+        lines += ["", "health (over each shard's life so far):", *("  " + h for h in st["health_lines"])]
+        if not st["healthy"]:
+            lines.append("UNHEALTHY: a figure is out of its healthy range or a shard is unreachable")
     return "\n".join(lines)

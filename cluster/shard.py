@@ -43,6 +43,7 @@ class ShardActor:
                  ttl_s: float = 5.0, request_ttl_s: float = 600.0) -> None:
         self.shard_id = shard_id
         self.pool = pool
+        self.started = time.monotonic()
         cfg = dict(store)
         cfg.setdefault("dram_dir", SHM_DIR if os.path.isdir(SHM_DIR) else None)
         cfg["name"] = f"{pool}-{shard_id}"
@@ -206,6 +207,8 @@ class ShardActor:
         st = self.store.stats()
         st["shard"] = self.shard_id
         st["node_id"] = self.node_id
+        st["uptime_s"] = time.monotonic() - self.started
+        st["active_requests"] = len(self.store.active_requests())
         return st
 
     def drain(self) -> int:

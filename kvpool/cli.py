@@ -150,6 +150,8 @@ def _stats(args: argparse.Namespace) -> int:
 
     st = ops.cmd_stats(args.ray_address)
     print(json.dumps(st, indent=2, default=str) if args.json else ops.format_stats(st))
+    if not st["healthy"]:
+        return 1  # NOTE: monitors and readiness probes read the exit code
     return 0
 
 

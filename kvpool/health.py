@@ -86,3 +86,31 @@ class HealthMonitor:
         }
         figures["verdicts"] = judge(figures)
         return figures
+
+
+def figures_from_stats(shards: list[dict]) -> dict:
+    """The health figures of a pool from its shards' ``stats()`` (each with ``uptime_s`` and
+    ``active_requests``), over each shard's life so far: what ``kvpool stats`` judges.
+
+    A figure with nothing to judge is ``None`` (ok): no lookups yet for the hit rate, no request
+    in flight for the active occupancy (an idle pool is not unhealthy)."""
+
+    def total(s: dict, name: str) -> float:
+        return float(sum(s["metrics"].get(name, {}).values()))
+
+    hits = sum(total(s, "hits_chunks") for s in shards)
+    misses = sum(total(s, "misses_chunks") for s in shards)
+    pages = sum(t["pages_total"] for s in shards for t in s["tiers"].values())
+    leased = sum(t.get("leased_pages", 0) for s in shards for t in s["tiers"].values())
+    hours = sum(max(s.get("uptime_s", 0.0), 1e-9) for s in shards) / 3600
+    active = sum(s.get("active_requests", 0) for s in shards)
+    figures = {
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "evictions_per_s_fraction": sum(total(s, "evictions") / max(s.get("uptime_s", 0.0), 1e-9) for s in shards)
+        / max(pages, 1),
+        "active_occupancy": leased / max(pages, 1) if active else None,
+        "cancellations_per_hour": sum(total(s, "cancelled_requests") for s in shards) / hours if shards else None,
+    }
+    figures["verdicts"] = judge(figures)
+    return figures
+

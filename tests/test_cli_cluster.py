@@ -6,6 +6,17 @@ import os
 import subprocess
 import sys
 
+MISSES = """
+import os, ray
+from kvpool.cluster.ops import connect, NAMESPACE
+from kvpool.cluster.shard import shard_name
+from kvpool.cluster.controller import CONTROLLER
+connect(None, start_local=False)
+state = ray.get(ray.get_actor(CONTROLLER, namespace=NAMESPACE).state.remote(), timeout=30)
+for sid in state["shards"]:
+    shard = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
+    assert ray.get(shard.get.remote([os.urandom(16) for _ in range(20)], "a"), timeout=30) == []
+"""
 
 
 def kvpool(*args, timeout=180):
@@ -24,7 +35,20 @@ def test_up_stats_down():
         st = json.loads(r.stdout)
         (shard,) = st["shards"].values()
         assert shard["tiers"]["dram"]["pages_total"] == 16 and "a" in shard["tenants"]
+        assert st["healthy"] is True  # idle: nothing out of range (no lookups to judge yet)
         assert "dram" in kvpool("stats").stdout
+        # Force a figure out of range: lookups that all miss put the hit rate at 0%.
+        r = subprocess.run([sys.executable, "-c", MISSES], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        r = kvpool("stats", "--json")
+        assert r.returncode == 1  # what a monitor or a readiness probe reads
+        st = json.loads(r.stdout)
+        assert st["healthy"] is False
+        (rate,) = [h for h in st["health"] if h["figure"] == "hit_rate"]
+        assert rate["value"] == 0.0 and rate["ok"] is False and rate["low"] == 0.99
+        r = kvpool("stats")
+        assert r.returncode == 1 and "OUT OF RANGE" in r.stdout and "UNHEALTHY" in r.stdout
     finally:
         r = kvpool("down", "--stop-ray")
     assert r.returncode == 0 and "1 shards drained" in r.stdout
