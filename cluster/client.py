@@ -146,6 +146,22 @@ class PoolClient:
                 h.end.remote(rid)
         request.shard_requests = {}
 
+    def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Pins the leading run of chunks on the shards that hold them (warm-up); how many were
+        pinned (each shard's policy caps its pinned zone)."""
+        hit = self.index.lookup(keys)
+        by_shard: dict[str, list[bytes]] = {}
+        for i in range(hit.count):
+            by_shard.setdefault(hit.shards[i], []).append(bytes(keys[i]))
+        refs = [self._handles[sid].pin.remote(ks, tenant) for sid, ks in by_shard.items() if sid in self._handles]
+        pinned = 0
+        for ref in refs:
+            try:
+                pinned += ray.get(ref, timeout=self.timeout_s)
+            except _RAY_FAIL:
+                self.counts["pin_failed"] += 1
+        return pinned
+
     # ---------------------------------------------------------------- writes
     def put(self, tenant: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
             first_position: int = 0) -> int:

@@ -47,6 +47,10 @@ class ClusterPool:
     def end(self, request) -> None:
         self.client.end(request)
 
+    def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Pins the leading run of cached chunks (warm-up), within each shard's pinned cap."""
+        return self.client.pin(tenant, keys)
+
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
         return [torch.from_numpy(a).view(dtype).reshape(shape) for a in self.client.get(tenant, keys)]

@@ -191,6 +191,10 @@ class ShardActor:
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "ray")
         return out
 
+    def pin(self, keys, tenant: str) -> int:
+        """Pins chunks held here (warm-up), up to the policy's pinned cap; how many."""
+        return self.store.pin(_keys(keys), tenant)
+
     def contains(self, keys, tenant: str) -> list[bool]:
         return self.store.contains_many(_keys(keys), tenant)
 

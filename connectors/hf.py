@@ -97,7 +97,7 @@ class HFConnector:
     # ---------------------------------------------------------------- the request
     @torch.no_grad()
     def prefill(self, input_ids, *, tenant: str | None = None, save: bool = True, use_pool: bool = True,
-                extra_keys=()) -> PrefillResult:
+                extra_keys=(), shared: bool = False) -> PrefillResult:
         """Runs the prompt, reusing the pool's longest whole-chunk prefix (at least one token is
         always computed, so the last position's logits exist)."""
         tenant = tenant or self.tenant
@@ -107,7 +107,7 @@ class HFConnector:
             raise BadRequest("empty prompt: give at least one token")
         t0 = time.perf_counter()
         c = self.spec.chunk_tokens
-        keys = self.pool.keys(tenant, ids[0].tolist(), extra_keys=extra_keys)
+        keys = self.pool.keys(tenant, ids[0].tolist(), extra_keys=extra_keys, shared=shared)
         timings = {}
         request = None
         loaded: list[torch.Tensor] = []
@@ -136,7 +136,7 @@ class HFConnector:
             whole = n // c
             if save and use_pool and whole > len(loaded):
                 chunks = self._chunks_from_cache(cache, len(loaded), whole - len(loaded))
-                saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request)
+                saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared)
         finally:
             if request is not None:
                 self.pool.end(request)  # its chunks (loaded and saved) may be evicted again

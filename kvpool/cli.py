@@ -127,7 +127,7 @@ def _bench_index(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from kvpool.cluster import ops
 
-    store = {"page_bytes": parse_size(args.page_size), "dram_pages": args.dram_pages}
+    store = {"page_bytes": parse_size(args.page_size), "dram_pages": args.dram_pages, "policy": args.policy}
     if args.disk_dir:
         store |= {"disk_dir": args.disk_dir, "disk_pages": args.disk_pages}
     tenants = [{"id": t} for t in args.tenant] or [{"id": "default"}]
@@ -152,6 +152,17 @@ def _stats(args: argparse.Namespace) -> int:
     print(json.dumps(st, indent=2, default=str) if args.json else ops.format_stats(st))
     if not st["healthy"]:
         return 1  # NOTE: monitors and readiness probes read the exit code
+    return 0
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from kvpool.connectors import warmup
+
+    r = warmup.run(args.file, args.model, model_id=args.model_id, chunk_tokens=args.chunk_tokens,
+                   ray_address=args.ray_address, redis=args.redis, pin=not args.no_pin, progress=not args.json)
+    print(json.dumps(r) if args.json else
+          f"warm-up: {r['prefixes']} prefixes, {r['stored_chunks']} chunks stored, {r['pinned_chunks']} pinned"
+          + (f", {r['skipped']} shorter than a chunk" if r["skipped"] else ""))
     return 0
 
 
@@ -225,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dram-pages", type=int, default=16, help="DRAM pages per shard (default 16)")
     u.add_argument("--disk-dir", help="directory of a disk tier")
     u.add_argument("--disk-pages", type=int, default=0)
+    u.add_argument("--policy", default="default", help="eviction policy of every shard (default: adaptive)")
     u.add_argument("--tenant", action="append", default=[], help="a tenant to serve (repeat)")
     u.set_defaults(func=_up)
     d2 = sub.add_parser("down", help="drain every shard and stop the pool")
@@ -236,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_stats)
 
+    w = sub.add_parser("warmup", help="preload and pin prefixes (system prompts, tool schemas) before traffic")
+    w.add_argument("file", help='JSON lines: {"tenant": "a", "tokens": [...], "shared": false}')
+    w.add_argument("--model", default="demo", help="a local transformers model directory, or 'demo'")
+    w.add_argument("--model-id", help="the model name engines use (default: the --model value)")
+    w.add_argument("--chunk-tokens", type=int, default=64)
+    w.add_argument("--ray-address")
+    w.add_argument("--redis", help="the index's Redis URL, when the pool keeps its index there")
+    w.add_argument("--no-pin", action="store_true", help="store the prefixes without pinning them")
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=_warmup)
     t = sub.add_parser("tenants", help="list tenants, their usage, and set quotas and priorities")
     t.add_argument("action", choices=["list", "usage", "set-quota", "set-priority"])
     t.add_argument("args", nargs="*", help="TENANT [BYTES|CLASS]")

@@ -155,6 +155,10 @@ class LocalPool:
                 pinned += self.store.pin(keys[: len(chunks)], tenant)
         return stored, pinned
 
+    def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Pins resident chunks (warm-up), up to the policy's pinned cap; how many."""
+        return self.store.pin(keys, tenant)
+
     def lease(self, tenant: str, keys: Sequence[ChunkKey]) -> Lease:
         """Pins a request's chunks while it is in flight."""
         return self.store.lease(keys, tenant)

@@ -25,9 +25,9 @@ def kvpool(*args, timeout=180):
                           timeout=timeout, env=env)
 
 
-def test_up_stats_down():
+def test_up_stats_warmup_down(tmp_path):
     try:
-        r = kvpool("up", "--page-size", "64KiB", "--dram-pages", "16", "--tenant", "a")
+        r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "16", "--tenant", "a", "--policy", "tiered")
         assert r.returncode == 0, r.stderr[-2000:]
         assert "kvpool is up: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
         r = kvpool("stats", "--json")
@@ -37,6 +37,21 @@ def test_up_stats_down():
         assert shard["tiers"]["dram"]["pages_total"] == 16 and "a" in shard["tenants"]
         assert st["healthy"] is True  # idle: nothing out of range (no lookups to judge yet)
         assert "dram" in kvpool("stats").stdout
+        # Warm-up: two system prompts of 2 whole chunks (64 tokens each) and a tail.
+        warm = tmp_path / "prefixes.jsonl"
+        warm.write_text("\n".join(json.dumps({"tenant": "a", "tokens": list(range(s, s + 140))}) for s in (1, 500)))
+        r = kvpool("warmup", str(warm), "--model", "demo", "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        w = json.loads(r.stdout)
+        # the tiered policy pins at most 20% of the shard's 16 pages: 3 of the 4 chunks
+        assert w == {"prefixes": 2, "skipped": 0, "stored_chunks": 4, "pinned_chunks": 3}
+        st = json.loads(kvpool("stats", "--json").stdout)
+        (shard,) = st["shards"].values()
+        assert shard["chunks"] == 4 and shard["policy_stats"]["pinned"] == 3
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"tenant": "a", "tokens": [1, -2]}')
+        r = kvpool("warmup", str(bad))
+        assert r.returncode == 2 and "bad.jsonl:1" in r.stderr and "non-negative" in r.stderr
         # Force a figure out of range: lookups that all miss put the hit rate at 0%.
         r = subprocess.run([sys.executable, "-c", MISSES], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
