@@ -1,0 +1,81 @@
+"""The pool in the Ray dashboard: local Ray started with its dashboard, traffic from two tenants,
+and kvpool's metrics on the node's Prometheus endpoint with their labels (shard, tier, tenant);
+the dashboard's state API lists the pool's actors."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from conftest import free_port, make_keys, payload
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from kvpool.cluster.bootstrap import down, up
+    from kvpool.cluster.client import PoolClient
+
+    ray.init(num_cpus=2, include_dashboard=True, dashboard_port=free_port(), namespace="kvpool-obs",
+             _system_config={"metrics_report_interval_ms": 1000}, logging_level="ERROR")
+    try:
+        up(store={"page_bytes": PAGE, "dram_pages": 32}, tenants=[{"id": "a"}, {"id": "b"}], namespace="kvpool-obs",
+           ttl_s=1.5)
+        client = PoolClient(namespace="kvpool-obs", timeout_s=5.0)
+        yield client
+        client.close()
+        down(namespace="kvpool-obs")
+    finally:
+        ray.shutdown()
+
+
+def scrape(want: list[str], timeout_s: float = 45) -> str:
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        text = ""
+        for port in ports:
+            try:
+                text += urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                pass
+        if all(w in text for w in want):
+            break
+        time.sleep(1)
+    return text
+
+
+def series(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_kvpool_metrics_reach_the_endpoint_with_shard_tier_and_tenant_labels(pool):
+    for tenant, seed in (("a", 1), ("b", 2)):
+        keys = make_keys(12, seed=seed)
+        assert pool.put(tenant, keys, [payload(i, PAGE) for i in range(12)]) == 12
+        assert len(pool.get(tenant, keys)) == 12
+    # 40 more chunks than the 32 pages hold: evictions
+    flood = make_keys(40, seed=3)
+    pool.put("b", flood, [payload(i, PAGE) for i in range(40)])
+    text = scrape(["ray_kvpool_hits_chunks_total", "ray_kvpool_evictions_total", "ray_kvpool_tenant_bytes",
+                   'tenant="b"', "ray_kvpool_get_latency_ms_bucket"])
+    hits = series(text, "ray_kvpool_hits_chunks_total")
+    assert any('tenant="a"' in s for s in hits) and any('tenant="b"' in s for s in hits)
+    assert all('shard="node-' in s for s in hits)
+    assert any('tier="dram"' in s for s in series(text, "ray_kvpool_evictions_total"))
+    assert any('tenant="a"' in s for s in series(text, "ray_kvpool_tenant_bytes"))
+    assert any('tier="dram"' in s for s in series(text, "ray_kvpool_bytes"))
+    assert series(text, "ray_kvpool_get_latency_ms_bucket")
+
+
+def test_the_dashboard_lists_the_pool_actors(pool):
+    from ray.util.state import list_actors
+
+    names = {a.name for a in list_actors(filters=[("state", "=", "ALIVE")], timeout=30)}
+    assert any(n.startswith("kvpool-shard-default-node-") for n in names)
+    assert "kvpool-controller" in names or any("controller" in n for n in names)
