@@ -3,7 +3,8 @@
 It never sits on the data path. Clients take the ring once and then long-poll ``wait`` for a new
 version; they do not call the controller per request. Its loop reconciles actual to target state
 every ``interval_s``: shards whose heartbeat lapsed in the index (or whose node Ray declares dead)
-leave the ring and their index entries are purged. Every step is idempotent, and the loop logs and
+leave the ring and their index entries are purged; live shards the index lists and the ring lacks
+(after the controller itself restarted) are adopted. Every step is idempotent, and the loop logs and
 survives every exception.
 """
 
@@ -117,11 +118,29 @@ class Controller:
             log.warning("controller: shard %s is dead; removing it from the ring", s)
             self.deregister(s)
             self._missing.pop(s, None)
+        self._adopt(alive)
         purged = idx.purge_dead()
         if purged:
             log.info("controller: purged index entries of dead shards %s", purged)
         self.passes += 1
         return gone
+
+    def _adopt(self, alive: dict[str, bool]) -> None:
+        """Live shards the index knows and the ring does not: after this controller restarted
+        (Ray restarts it empty) its membership comes back from the index within one pass."""
+        from kvpool.cluster.shard import shard_name
+
+        for s, live in alive.items():
+            if not live or s in self.shards:
+                continue
+            try:
+                h = ray.get_actor(shard_name(self.pool, s))
+                info = ray.get(h.info.remote(), timeout=max(self.interval_s * 5, 5.0))
+            except Exception as e:  # noqa: BLE001 - not reachable now: maybe next pass
+                log.warning("controller: cannot adopt shard %s yet (%s)", s, type(e).__name__)
+                continue
+            log.info("controller: adopted shard %s from the index", s)
+            self.register(s, info)
 
     def stop(self) -> None:
         self._stop.set()
