@@ -828,11 +828,16 @@ class ChunkStore(CacheHooks):
         if dst_tier > src_tier:  # demotion: verified when it is read back
             np.copyto(dst, src)
             self.metrics.demotions.inc(1, self.tier_names[src_tier])
-            return True
-        if copy_with_checksum(dst, src) != int(self._checksum[node]):
-            return False
-        self.metrics.promotions.inc(1, self.tier_names[dst_tier])
+        else:
+            if copy_with_checksum(dst, src) != int(self._checksum[node]):
+                return False
+            self.metrics.promotions.inc(1, self.tier_names[dst_tier])
+        if self._scrubs(node):
+            self._slabs[src_tier].page(src_page).fill(0)  # the page it left is free now
         return True
+
+    def _scrubs(self, node: int) -> bool:
+        return self._ready[node] and self.tenants.by_index(int(self._tenant[node])).scrub
 
     def dropped(self, node: int, tier: int, page: int, reason: str) -> None:
         name = self.tier_names[tier]
@@ -840,6 +845,8 @@ class ChunkStore(CacheHooks):
             self.metrics.evictions.inc(1, name)
         elif reason == "corrupt":
             self.metrics.checksum_failures.inc(1, name)
+        if self._scrubs(node):
+            self._slabs[tier].page(page).fill(0)  # the whole page: no byte of it says anything
         if self._ready[node]:
             self.tenants.refund(int(self._tenant[node]), int(self._nbytes[node]))
             if self.track_gone:

@@ -33,6 +33,9 @@ class Tenant:
     quota_fraction: float | None = None
     # Bytes no other tenant's writes can evict (a share of the pool, like quota_fraction).
     guaranteed_fraction: float = 0.0
+    # Zero the tenant's pages when they are freed (evicted, removed, demoted away): no residue of
+    # its KV stays in memory for the page's next owner. Costs a memset per freed chunk.
+    scrub: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id or len(self.id) > 128:
@@ -45,6 +48,8 @@ class Tenant:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
                 raise BadRequest(f"tenant {self.id!r}: {name} must be a fraction of the pool in [0, 1], got {v!r}")
+        if not isinstance(self.scrub, bool):
+            raise BadRequest(f"tenant {self.id!r}: scrub must be true or false, got {self.scrub!r}")
         if self.salt == SHARED_SALT:
             raise BadRequest(f"tenant {self.id!r}: the shared salt is reserved; pick another salt")
         if not self.salt:

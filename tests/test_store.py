@@ -272,3 +272,38 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes():
     assert errors == []
     assert s.tenants.usage("a") == 4096 * len(s)
     assert s.metrics.checksum_failures.total() == 0
+
+
+def page_bytes_of(s, tier, page):
+    return s.slab(tier).page(page).copy()
+
+
+def test_scrubbing_tenants_leave_no_residue_in_freed_pages(tmp_disk):
+    from kvpool import Tenant
+
+    s = make_store(dram_pages=2, disk_pages=2, disk_dir=tmp_disk,
+                   tenants=[Tenant("secret", scrub=True), Tenant("plain")])
+    ks, kp = make_keys(3, seed=1), make_keys(2, seed=2)
+    s.put(kp[0], payload(7), "plain")
+    s.put(ks[0], payload(1), "secret")
+    where_plain, where_secret = s.locate(kp[0]), s.locate(ks[0])
+    s.remove(kp[0], "plain")
+    s.remove(ks[0], "secret")
+    assert page_bytes_of(s, *where_plain)[:1000].any()  # the control: an ordinary page keeps residue
+    assert not page_bytes_of(s, *where_secret).any()  # removed: zeros
+    # Demotion frees the DRAM page the chunk leaves: no page of DRAM may still hold its bytes,
+    # even the one a short payload of another tenant reuses at once.
+    s.put(ks[1], payload(2), "secret")
+    s.put(ks[2], payload(3), "secret")
+    s.put(kp[1], payload(4, 100), "plain")  # needs a DRAM page: ks[1], the LRU, goes down to disk
+    assert s.locate(ks[1])[0] == "disk"
+    dram = [page_bytes_of(s, "dram", p) for p in range(2)]
+    assert not any(np.array_equal(d[100:1000], payload(2)[100:1000]) for d in dram)
+    assert np.array_equal(s.get(ks[1], "secret"), payload(2))  # and the data itself is intact
+
+
+def test_scrub_must_be_a_bool():
+    from kvpool import BadRequest, Tenant
+
+    with pytest.raises(BadRequest, match="scrub must be true or false"):
+        Tenant("x", scrub="yes")
