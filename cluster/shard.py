@@ -44,6 +44,7 @@ class ShardActor:
         self.shard_id = shard_id
         self.pool = pool
         self.started = time.monotonic()
+        self._stall_s = 0.0
         cfg = dict(store)
         cfg.setdefault("dram_dir", SHM_DIR if os.path.isdir(SHM_DIR) else None)
         cfg["name"] = f"{pool}-{shard_id}"
@@ -124,6 +125,7 @@ class ShardActor:
 
     # ---------------------------------------------------------------- same node (shared memory)
     def reserve(self, keys, sizes, tenant: str, shared: bool = False, parent=None, first_position: int = 0):
+        self._maybe_stall()
         hid, places = self.store.reserve(_keys(keys), list(sizes), tenant, shared=shared,
                                          parent=None if parent is None else ChunkKey(bytes(parent)),
                                          first_position=first_position)
@@ -138,6 +140,7 @@ class ShardActor:
         self.store.abort(hold_id)
 
     def lease_reads(self, keys, tenant: str, leading: bool = True):
+        self._maybe_stall()
         t0 = time.perf_counter()
         hid, places = self.store.lease_reads(_keys(keys), tenant, leading=leading)
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "shm")
@@ -173,6 +176,7 @@ class ShardActor:
 
     # ---------------------------------------------------------------- other nodes (bytes over Ray)
     def put(self, keys, payloads, tenant: str, shared: bool = False, parent=None, first_position: int = 0) -> int:
+        self._maybe_stall()
         keys = _keys(keys)
         stored = self.store.put_many(keys, payloads, tenant, shared=shared,
                                      parent=None if parent is None else ChunkKey(bytes(parent)),
@@ -182,6 +186,7 @@ class ShardActor:
 
     def get(self, keys, tenant: str) -> list[np.ndarray]:
         """The leading run of chunks, verified (a bad one ends the run)."""
+        self._maybe_stall()
         t0 = time.perf_counter()
         out = []
         for got in self.store.get_many(_keys(keys), tenant):
@@ -225,3 +230,25 @@ class ShardActor:
 
     def ping(self) -> float:
         return time.time()
+
+    # ---------------------------------------------------------------- drills
+    def inject(self, stall_s: float = 0.0) -> None:
+        """Fault injection for drills and tests: every data-path call answers ``stall_s`` late
+        (0 clears it). Membership and stats calls are not slowed."""
+        self._stall_s = float(stall_s)
+
+    def _maybe_stall(self) -> None:
+        if self._stall_s:
+            time.sleep(self._stall_s)
+
+    def held(self) -> list[bytes]:
+        """Keys of the chunks this shard holds (to check that the index converged on them)."""
+        return [bytes(e.key) for e in self.store.index_entries(self.shard_id)]
+
+    def locate(self, key) -> tuple[str, int, int] | None:
+        """(tier, byte offset in its slab, bytes) of a chunk, for drills that corrupt a payload."""
+        key = ChunkKey(bytes(key))
+        where, entries = self.store.locate(key), self.store.index_entries(self.shard_id, [key])
+        if where is None or not entries:
+            return None
+        return where[0], where[1] * self.store.page_bytes, entries[0].nbytes
