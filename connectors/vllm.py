@@ -1,0 +1,314 @@
+"""vLLM V1 KV connector: vLLM loads prompt prefixes from the kvpool and saves new ones into it.
+
+Select it with::
+
+    LLM(..., kv_transfer_config={
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"backend": "local", "chunk_tokens": 256, ...}})
+
+(``kv_transfer_config(**pool_config)`` builds that dict.) The extra config is the pool config of
+:mod:`kvpool.connectors.pools` plus ``model_id``, ``model_revision`` and ``breakeven_margin``.
+
+Lifecycle, per request:
+
+- scheduler: ``get_num_new_matched_tokens`` keys the prompt's whole chunks (kvpool's canonical
+  keys, not vLLM's block hashes) and asks the pool how many leading chunks it holds: one lookup,
+  nothing written. A full hit leaves the prompt's last token to be computed (vLLM needs one
+  token to sample from). Hits the measured break-even says are cheaper to recompute are
+  declined. ``update_state_after_alloc`` / ``build_connector_meta`` turn the answer into a load
+  of a token range and, for every step of the prefill, how far the prompt is computed;
+- worker: ``start_load_kv`` loads that range before the forward (synchronously) and scatters it
+  into the request's blocks (:mod:`kvpool.connectors.vllm_layout`: vLLM's CPU attention stores K
+  transposed inside a block, checked at startup; kvpool's paged kernels on GPU); chunks the pool
+  cannot return (evicted, failed checksum, shard down) are reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them (policy
+  ``recompute``); ``wait_for_save`` gathers every whole prompt chunk the forward has just
+  completed and saves it. A step whose load failed saves nothing for that request (its
+  forward read blocks that were never filled); the recompute's step saves them.
+
+Tenants: a request's tenant is ``kv_transfer_params["kvpool_tenant"]`` when set (it must be one
+of the config's ``tenants``), else the config's ``tenant`` (default ``"default"``). A request's
+``cache_salt`` goes into the key namespace, so two salts never hit each other's chunks even
+within one tenant. LoRA adapters and multimodal inputs enter the namespace too.
+
+NOTE: loads and saves are synchronous and whole-forward (not layer by layer): on CPU there is
+nothing to overlap with, and it keeps a failed load from ever racing a forward. The layer-wise
+hooks are no-ops; a GPU build would stream layers through them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.connectors.breakeven import BreakEven
+from kvpool.connectors.pools import open_pool, spec_for
+from kvpool.connectors.vllm_meta import (PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, salt_key,
+                                         split_config, tenant_ids)
+from kvpool.connectors.vllm_worker import PoolWorker
+from kvpool.errors import BadRequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.connectors.vllm")
+
+__all__ = ["KVPoolConnector", "kv_transfer_config"]
+
+
+def kv_transfer_config(**pool_config: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` dict that selects this connector with ``pool_config``."""
+    split_config(pool_config)  # fail here, not inside the engine
+    return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
+
+
+@dataclass
+class _Plan:
+    """What the scheduler knows of one request (from its lookup)."""
+
+    tenant: str | None  # None: the request is not cached (no token ids, or a tenant not allowed)
+    keys: list
+    prompt_len: int
+    pool_chunks: int = 0  # leading chunks the pool held at the last lookup
+    load_tokens: int = 0  # external tokens vLLM accepted, loaded in the request's next step
+    declined: bool = False  # the break-even said recompute
+    sent: bool = False  # the worker has the keys
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """The kvpool as vLLM's external prefix cache (``kv_role`` ``kv_both``)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        xfer = self._kv_transfer_config
+        pool_config, own = split_config(xfer.kv_connector_extra_config)
+        allowed = tenant_ids(pool_config)
+        self.tenant = pool_config.get("tenant", "default")
+        if self.tenant not in allowed:
+            raise BadRequest(f"KVPoolConnector: tenant {self.tenant!r} is not one of the pool's tenants {allowed}; "
+                             "add it to kv_connector_extra_config['tenants']")
+        self.allowed_tenants = set(allowed)
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = int(pool_config.get("chunk_tokens", 256))
+        if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
+            raise BadRequest(f"KVPoolConnector: chunk_tokens={self.chunk_tokens} is not a multiple of vLLM's "
+                             f"block_size={self.block_size}; set kv_connector_extra_config['chunk_tokens'] to a "
+                             f"multiple of {self.block_size} (e.g. {max(1, 256 // self.block_size) * self.block_size})")
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+            # NOTE: each rank holds a slice of the heads/layers; keying the slices apart (and looking
+            # up every rank's keys) is future work. Refuse rather than mix slices under one key.
+            raise BadRequest("KVPoolConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+        if xfer.kv_load_failure_policy != "recompute":
+            # NOTE: a pool is a cache: a chunk that fails to load is a miss and vLLM recomputes it
+            # (DESIGN: any failure on the read path is a miss). The scheduler reads this after
+            # building its connector, so setting it here takes effect.
+            log.warning("KVPoolConnector: kv_load_failure_policy=%r would fail requests on a pool miss; using "
+                        "'recompute' (set it in kv_transfer_config to silence this)", xfer.kv_load_failure_policy)
+            xfer.kv_load_failure_policy = "recompute"
+        self.spec = self._spec(vllm_config, kv_cache_config, pool_config, own)
+        self.pool = open_pool(self.spec, pool_config)
+        self.bytes_per_token = self.spec.chunk_nbytes // self.chunk_tokens
+        self.load_min_tokens = int(pool_config.get("load_min_tokens", 0))
+        self.breakeven = BreakEven(margin=float(own.get("breakeven_margin", 1.0)))
+        self.counters: dict[str, int] = {}
+        self._plans: dict[str, _Plan] = {}
+        self.worker = (PoolWorker(self.pool, self.spec, self.block_size, vllm_config)
+                       if role == KVConnectorRole.WORKER else None)
+
+    @staticmethod
+    def _spec(vllm_config, kv_cache_config, pool_config, own):
+        groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+        if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+            kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+            raise BadRequest(f"KVPoolConnector handles models with one full-attention KV cache group; this model has "
+                             f"{kinds} (hybrid, sliding-window and MLA caches are not supported yet)")
+        ks = groups[0].kv_cache_spec
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        dtype = ks.dtype if cache_dtype == "auto" else {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                                                        "fp8_e5m2": "float8_e5m2"}.get(cache_dtype, cache_dtype)
+        mc = vllm_config.model_config
+        return spec_for(str(own.get("model_id") or mc.model), len(groups[0].layer_names), ks.num_kv_heads,
+                        ks.head_size, dtype, chunk_tokens=int(pool_config.get("chunk_tokens", 256)),
+                        block_size=ks.block_size, revision=str(own.get("model_revision") or mc.revision or "main"))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never lost data
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (scheduler side; the worker's arrive with each step's output) and the
+        measured load-or-recompute figures."""
+        return {**self.counters, "breakeven": self.breakeven.stats()}
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _plan(self, request: "Request") -> _Plan:
+        prompt = request.prompt_token_ids
+        n = len(prompt) if prompt is not None else 0
+        plan = self._plans.get(request.request_id)
+        if plan is not None and plan.prompt_len == n:
+            return plan
+        params = request.kv_transfer_params or {}
+        tenant = params.get(PARAM_TENANT) or self.tenant
+        whole = n // self.chunk_tokens
+        if prompt is None or request.prompt_embeds is not None or whole == 0:
+            plan = _Plan(None, [], n)
+        elif tenant not in self.allowed_tenants:
+            log.warning("KVPoolConnector: request %s names tenant %r, not one of %s: not cached",
+                        request.request_id, tenant, sorted(self.allowed_tenants))
+            self._count("rejected_tenant")
+            plan = _Plan(None, [], n)
+        else:
+            extra = [f"mm:{f.identifier}" for f in (request.mm_features or [])]
+            if request.cache_salt:
+                extra.insert(0, salt_key(request.cache_salt))
+            adapter = request.lora_request.lora_name if request.lora_request is not None else ""
+            keys = self.pool.keys(tenant, prompt[: whole * self.chunk_tokens], adapter_id=adapter, extra_keys=extra)
+            plan = _Plan(tenant, keys, n)
+        self._plans[request.request_id] = plan
+        return plan
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = self._plan(request)
+        if plan.tenant is None:
+            return 0, False
+        try:
+            hit = self.pool.lookup(plan.tenant, plan.keys)  # one round trip, no writes
+        except Exception as e:  # noqa: BLE001 - a pool that cannot answer is a miss
+            log.warning("KVPoolConnector: lookup failed (%s): recomputing", e)
+            self._count("lookup_errors")
+            hit = 0
+        plan.pool_chunks = hit // self.chunk_tokens
+        ext = min(hit, plan.prompt_len - 1) - num_computed_tokens
+        plan.declined = False
+        if ext <= 0:
+            return 0, False
+        shortest = self.breakeven.min_tokens(self.bytes_per_token)
+        if ext < self.load_min_tokens or (shortest is not None and ext < shortest):
+            plan.declined = True
+            return 0, False
+        return ext, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        plan = self._plan(request)
+        plan.load_tokens = num_external_tokens
+        plan.sent = False  # a new or resumed request: send keys and the whole block list again
+        if plan.tenant is None:
+            return
+        self._count("requests")
+        if num_external_tokens > 0:
+            self._count("loads_planned")
+            self._count("matched_tokens", num_external_tokens)
+        elif plan.declined:
+            self._count("recomputed_by_breakeven")
+            self.breakeven.recomputed += 1
+        if num_external_tokens > 0:
+            self.breakeven.loaded += 1
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PoolStepMeta:
+        sched = scheduler_output.num_scheduled_tokens
+        meta = PoolStepMeta(total_tokens=scheduler_output.total_num_scheduled_tokens)
+        for req in scheduler_output.scheduled_new_reqs:
+            n = sched.get(req.req_id, 0)
+            meta.prefill_tokens += n
+            self._add_step(meta, req.req_id, req.num_computed_tokens, n, list(req.block_ids[0]), True)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            n = sched.get(req_id, 0)
+            if cached.is_context_phase(req_id):
+                meta.prefill_tokens += n
+            new_blocks = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            self._add_step(meta, req_id, cached.num_computed_tokens[i], n,
+                           list(new_blocks[0]) if new_blocks is not None else [], resumed)
+        return meta
+
+    def _add_step(self, meta: PoolStepMeta, req_id: str, computed: int, scheduled: int, blocks: list[int],
+                  whole_list: bool) -> None:
+        plan = self._plans.get(req_id)
+        if plan is None or plan.tenant is None:
+            return
+        full = len(plan.keys) * self.chunk_tokens
+        if plan.sent and computed >= full and not plan.load_tokens:
+            # Every whole prompt chunk is computed (and saved): nothing left to tell the worker.
+            # NOTE: blocks appended from here on are not sent; a preempted request resumes with
+            # its whole block list, and a failed load resets ``computed`` below ``full``.
+            return
+        step = ReqStep(req_id, computed_before=computed, computed_after=min(computed + scheduled, plan.prompt_len),
+                       block_ids=blocks, replace_blocks=whole_list or not plan.sent)
+        if not plan.sent:
+            step.keys, step.tenant, step.pool_chunks = plan.keys, plan.tenant, plan.pool_chunks
+            plan.sent = True
+        if plan.load_tokens:
+            step.load = (computed - plan.load_tokens, computed)
+            plan.load_tokens = 0
+        meta.steps.append(step)
+
+    def update_connector_output(self, connector_output) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, PoolWorkerMeta):
+            return
+        for nbytes, s in wm.load_samples:
+            self.breakeven.observe_load(nbytes, s)
+        for tokens, s in wm.prefill_samples:
+            self.breakeven.observe_prefill(tokens, s)
+        for k, v in wm.counters.items():
+            self._count(k, v)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._plans.pop(request.request_id, None)
+        return False, None  # saves finish inside the step (wait_for_save): the blocks can go now
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            self.worker.step_started()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PoolStepMeta):
+            self.worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # the whole load finished in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # saved once per step in wait_for_save, all layers together
+
+    def wait_for_save(self):
+        meta = self._connector_metadata
+        if isinstance(meta, PoolStepMeta):
+            self.worker.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.worker.forget(finished_req_ids)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> PoolWorkerMeta | None:
+        return self.worker.take_meta() if self.worker is not None else None
+

@@ -1,0 +1,156 @@
+"""Time to first token with vLLM: cold, warm from the pool in a fresh engine, and vLLM's own hit.
+
+``measure_ttft(context_tokens, model)`` runs, in this process and one after the other:
+
+1. engine A (prefix caching on, KVPoolConnector on an in-process pool of its own): a warm-up
+   prompt of the same length (compiles, and calibrates the load-or-recompute figures), then the
+   context **cold** (nothing cached anywhere; the connector saves its chunks), then the context
+   again: **vLLM's own prefix-cache hit** (engine A still holds its blocks);
+2. engine A is shut down; engine B starts fresh on the same pool, runs its own warm-up, then the
+   context: **warm from the pool** (vLLM has nothing, the connector loads the prefix).
+
+Each TTFT is the wall time of a ``generate`` with one output token. ``same_output`` says
+whether the warm run produced the cold run's tokens and log-probs (``logprob_max_diff``);
+``warm_load_s`` is the warm run's load (pool read ``warm_load_pool_s`` + copy into vLLM's blocks).
+
+NOTE: vLLM's own hit can only cover whole blocks up to the prompt's last token, so on the native
+run the connector may still load the sub-block tail (``native_pool_tokens``, at most a block).
+NOTE: the pool is in-process (``backend="local"``), so the engine must run in-process too:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set here when unset). Only one engine with a KV connector
+can live in a process at a time (vLLM keeps its worker connector in a global).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import uuid
+from statistics import median
+from typing import Any
+
+from kvpool.errors import BadRequest
+
+
+def scheduler_connector(llm):
+    """The scheduler-side KVPoolConnector of an in-process ``vllm.LLM`` (its counters)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_connector():
+    """This process's worker-side connector (vLLM keeps one per process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def shutdown_engine(llm) -> None:
+    """Stops an in-process engine so another can start in this process."""
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()  # a no-op when the worker's shutdown already did it
+    gc.collect()
+
+
+def make_engine(model: str, pool_config: dict[str, Any], *, block_size: int = 32, dtype: str = "float32",
+                max_model_len: int | None = None, enable_prefix_caching: bool = True, **engine_args: Any):
+    """An in-process ``vllm.LLM`` with KVPoolConnector on ``pool_config`` (prompts as token ids)."""
+    from vllm import LLM
+
+    from kvpool.connectors.vllm import kv_transfer_config
+
+    if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0" and \
+            pool_config.get("backend", "local") == "local":
+        raise BadRequest("an in-process kvpool ('local' backend) needs VLLM_ENABLE_V1_MULTIPROCESSING=0; "
+                         "or use backend 'ray'")
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        raise BadRequest("another vLLM engine with a KV connector is alive in this process: "
+                         "shutdown_engine(it) first")
+    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=block_size, enforce_eager=True,
+               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+               kv_transfer_config=kv_transfer_config(**pool_config), **engine_args)
+
+
+def _timed(llm, tokens: list[int], salt: str | None = None, logprobs: int = 1):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=logprobs)
+    prompt = {"prompt_token_ids": list(tokens), **({"cache_salt": salt} if salt else {})}
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    o = out.outputs[0]
+    lps = [d[t].logprob for t, d in zip(o.token_ids, o.logprobs or [])]
+    return dt, list(o.token_ids), lps, int(out.num_cached_tokens or 0)
+
+
+def _delta(llm, before: dict, key: str) -> int:
+    return scheduler_connector(llm).stats().get(key, 0) - before.get(key, 0)
+
+
+def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 256, block_size: int = 32,
+                 dtype: str = "float32", dram_mib: int = 1024, repeats: int = 1, seed: int = 0,
+                 **engine_args: Any) -> dict[str, Any]:
+    """Cold, warm-from-pool (fresh engine) and vLLM-native-hit TTFT of one context; see the module
+    docstring. ``model`` is a local model directory or name vLLM can load without a tokenizer.
+
+    ``repeats`` > 1 measures each case that many times (every repetition under its own
+    ``cache_salt``, so its cold run is cold for vLLM and for the pool) and reports medians: on a
+    shared machine single runs vary several-fold. Engine arguments (``max_model_len``, ...) pass
+    through to ``vllm.LLM``."""
+    import numpy as np
+
+    n = len(context_tokens)
+    if n <= chunk_tokens:
+        raise BadRequest(f"the context has {n} tokens; measure_ttft needs more than one chunk ({chunk_tokens})")
+    pool = {"backend": "local", "pool": f"ttft-{uuid.uuid4().hex[:8]}", "chunk_tokens": chunk_tokens,
+            "dram_mib": dram_mib}
+    rng = np.random.default_rng(seed)
+    warmups = [[int(t) for t in rng.integers(3, max(max(context_tokens) + 1, 4), n)] for _ in range(2)]
+    max_len = engine_args.pop("max_model_len", None) or max(2048, n + 16)
+    salts = [f"ttft-{i}" for i in range(max(1, repeats))]
+    cold, native, warm = [], [], []
+
+    t0 = time.perf_counter()
+    llm = make_engine(model, pool, block_size=block_size, dtype=dtype, max_model_len=max_len, **engine_args)
+    start_s = time.perf_counter() - t0
+    try:
+        _timed(llm, warmups[0])  # compiles; calibrates the load-or-recompute figures
+        before = dict(scheduler_connector(llm).stats())
+        for salt in salts:
+            cold.append(_timed(llm, context_tokens, salt))
+            native.append(_timed(llm, context_tokens, salt))
+        native_pool = _delta(llm, before, "matched_tokens")
+    finally:
+        shutdown_engine(llm)
+        del llm
+    llm = make_engine(model, pool, block_size=block_size, dtype=dtype, max_model_len=max_len, **engine_args)
+    try:
+        _timed(llm, warmups[1])
+        before = dict(scheduler_connector(llm).stats())
+        for salt in salts:
+            warm.append(_timed(llm, context_tokens, salt))
+        loaded = _delta(llm, before, "loaded_tokens")
+        load_s, pool_s = _delta(llm, before, "load_us") / 1e6, _delta(llm, before, "load_pool_us") / 1e6
+        breakeven = scheduler_connector(llm).stats().get("breakeven")
+    finally:
+        shutdown_engine(llm)
+        del llm
+    ref_tokens, ref_lp = cold[0][1], cold[0][2]
+    diff = max((abs(a - b) for w in warm for a, b in zip(ref_lp, w[2])), default=0.0)
+    k = len(salts)
+    return {
+        "context_tokens": n, "chunk_tokens": chunk_tokens, "repeats": k,
+        "cold_ttft_s": median([c[0] for c in cold]), "warm_ttft_s": median([w[0] for w in warm]),
+        "native_hit_ttft_s": median([x[0] for x in native]),
+        "cold_runs_s": [c[0] for c in cold], "warm_runs_s": [w[0] for w in warm],
+        "native_runs_s": [x[0] for x in native],
+        "same_output": all(w[1] == ref_tokens for w in warm) and diff <= 1e-4, "logprob_max_diff": diff,
+        "warm_loaded_tokens": loaded // k, "warm_cached_tokens": warm[0][3],
+        "native_cached_tokens": native[0][3], "native_pool_tokens": native_pool // k,
+        "warm_load_s": load_s / k, "warm_load_pool_s": pool_s / k,
+        "engine_start_s": start_s, "breakeven": breakeven,
+    }

@@ -1,0 +1,105 @@
+"""What the vLLM connector's two halves tell each other, and the config it reads.
+
+vLLM builds the connector twice: a scheduler half (decides what to load, once per step) and a
+worker half (copies between the paged cache and the pool). The scheduler sends a
+``PoolStepMeta`` with every step; the worker sends a ``PoolWorkerMeta`` back (its measured load
+and prefill figures and its counters), so the load-or-recompute decision is made where the
+figures are needed even when the two halves live in different processes. Both are plain
+picklable dataclasses: vLLM ships them between processes when it runs multiprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvpool.connectors.pools import KNOWN_KEYS, check_config
+from kvpool.errors import BadRequest
+
+# Settings of the connector itself, taken out of kv_connector_extra_config before the rest goes
+# to open_pool.
+CONNECTOR_KEYS = {
+    "model_id",  # the pool's name for the model (default: vLLM's model name or path)
+    "model_revision",  # default: vLLM's revision, else "main"
+    "breakeven_margin",  # > 1 favours recomputing on ties (BreakEven.margin)
+}
+
+# Keys a request may set in its kv_transfer_params.
+PARAM_TENANT = "kvpool_tenant"
+
+
+@dataclass
+class ReqStep:
+    """One request's part of one engine step.
+
+    ``keys`` (the chunk keys of the prompt's whole chunks), ``tenant`` and ``pool_chunks`` come
+    with the request's first step and again when it resumes after a preemption; later steps carry
+    only new blocks and how far the prompt is computed."""
+
+    req_id: str
+    computed_before: int  # tokens vLLM counts as computed before this step (local + loaded)
+    computed_after: int  # prompt tokens whose KV is in the cache once this step ran
+    block_ids: list[int] = field(default_factory=list)
+    replace_blocks: bool = False  # a new or resumed request: block_ids is the whole list
+    keys: list[Any] | None = None
+    tenant: str | None = None
+    pool_chunks: int = 0  # leading chunks the pool held at lookup (not saved again)
+    load: tuple[int, int] | None = None  # token range [lo, hi) to load from the pool this step
+
+
+@dataclass
+class PoolStepMeta(KVConnectorMetadata):
+    steps: list[ReqStep] = field(default_factory=list)
+    total_tokens: int = 0  # tokens the forward computes this step (all requests)
+    prefill_tokens: int = 0  # of which prompt tokens (the prefill cost is measured on these)
+
+
+@dataclass
+class PoolWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step with news: samples for BreakEven and counters."""
+
+    load_samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
+    prefill_samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        if not isinstance(other, PoolWorkerMeta):
+            return self
+        counters = dict(self.counters)
+        for k, v in other.counters.items():
+            counters[k] = counters.get(k, 0) + v
+        return PoolWorkerMeta(self.load_samples + other.load_samples,
+                              self.prefill_samples + other.prefill_samples, counters)
+
+    def __bool__(self) -> bool:
+        return bool(self.load_samples or self.prefill_samples or self.counters)
+
+
+def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pool config, connector settings) out of kv_connector_extra_config; unknown keys are a
+    BadRequest naming both lists."""
+    extra = dict(extra or {})
+    unknown = set(extra) - KNOWN_KEYS - CONNECTOR_KEYS
+    if unknown:
+        raise BadRequest(f"unknown kv_connector_extra_config keys {sorted(unknown)} for KVPoolConnector; pool keys: "
+                         f"{sorted(KNOWN_KEYS)}, connector keys: {sorted(CONNECTOR_KEYS)}")
+    own = {k: extra.pop(k) for k in list(extra) if k in CONNECTOR_KEYS}
+    check_config(extra)
+    return extra, own
+
+
+def tenant_ids(pool_config: dict[str, Any]) -> list[str]:
+    return [t if isinstance(t, str) else t["id"] for t in check_config(pool_config)["tenants"]]
+
+
+def salt_key(cache_salt: str) -> str:
+    """The namespace entry for a vLLM ``cache_salt``: its digest, so a long salt fits and the
+    salt itself never appears in pool metadata."""
+    return "vllm-cache-salt:" + hashlib.sha256(cache_salt.encode()).hexdigest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,189 @@
+"""The worker half of the vLLM connector: copies between vLLM's paged KV cache and pool chunks.
+
+It keeps, per request in flight, the chunk keys of its prompt, its block ids and how many
+leading chunks are known to be in the pool. Each step it
+
+- loads the token range the scheduler planned (``load``): pool chunks scattered into the
+  request's blocks with :func:`kvpool.kernels.paged.scatter`; chunks the pool does not return
+  make their blocks "failed" (reported to vLLM, which recomputes them);
+- after the forward (``save``), gathers every whole prompt chunk completed so far and not yet in
+  the pool with :func:`kvpool.kernels.paged.gather` and saves it;
+- measures both sides for the load-or-recompute decision: load bandwidth, and forward seconds
+  per computed token (from metadata bind to ``wait_for_save``, minus the load).
+
+The copies go through :mod:`kvpool.connectors.vllm_layout`: vLLM's CPU attention layout (checked
+against vLLM's own cache-write op at startup) on CPU, kvpool's paged kernels elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.connectors.vllm_meta import PoolStepMeta, PoolWorkerMeta, cdiv
+from kvpool.connectors.vllm_layout import copier_for
+from kvpool.errors import BadRequest
+
+log = logging.getLogger("kvpool.connectors.vllm")
+
+
+@dataclass
+class _Req:
+    tenant: str
+    keys: list
+    block_ids: list[int]
+    saved: int  # leading chunks known to be in the pool
+    touched: bool = False  # the pool's policy has heard of this request's chunks
+    # First token of a failed load: the KV from there on is garbage until a forward recomputes
+    # it (vLLM rolls the request back there; with async scheduling a step planned before the
+    # rollback may still run on the garbage, and must not be saved).
+    dirty_from: int | None = None
+
+
+class PoolWorker:
+    def __init__(self, pool, spec, block_size: int, vllm_config=None) -> None:
+        self.pool, self.spec, self.block_size = pool, spec, block_size
+        self.vllm_config = vllm_config
+        self.chunk_tokens = spec.chunk_tokens
+        self.copier = None
+        self.reqs: dict[str, _Req] = {}
+        self.failed_blocks: set[int] = set()
+        self.failed_history: list[int] = []  # every block ever reported (tests, operators)
+        self._meta = PoolWorkerMeta()
+        self._t_bind = 0.0
+        self._load_s = 0.0
+
+    # ------------------------------------------------------------------ setup
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        caches = [kv_caches[n] for n in names]
+        if len(caches) != self.spec.num_layers:
+            raise BadRequest(f"KVPoolConnector: vLLM registered {len(caches)} KV caches but the spec has "
+                             f"{self.spec.num_layers} layers")
+        isa, cache_dtype = None, "auto"
+        if self.vllm_config is not None:
+            layer = self.vllm_config.compilation_config.static_forward_context.get(names[0])
+            isa = getattr(layer, "isa", None)  # vLLM's CPU attention sets it on its layers
+            cache_dtype = self.vllm_config.cache_config.cache_dtype
+        copier = copier_for(caches, isa=isa, kv_cache_dtype=cache_dtype)
+        want = (self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        got = (copier.block_size, copier.kv_heads, copier.head_dim)
+        if got != want:
+            raise BadRequest(f"KVPoolConnector: the KV cache is {tuple(caches[0].shape)} (block_size, kv_heads, "
+                             f"head_dim = {got}) but the spec says {want}")
+        self.copier = copier
+        log.info("KVPoolConnector: %d layers, %s copies, cache %s stride %s", len(caches), copier.name,
+                 tuple(caches[0].shape), caches[0].stride())
+
+    # ------------------------------------------------------------------ per step
+
+    def step_started(self) -> None:
+        self._t_bind = time.perf_counter()
+        self._load_s = 0.0
+
+    def _slots(self, req: _Req, lo: int, hi: int) -> torch.Tensor:
+        pos = torch.arange(lo, hi, dtype=torch.int64)
+        blocks = torch.tensor(req.block_ids, dtype=torch.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def load(self, meta: PoolStepMeta) -> None:
+        """Takes the step's request updates and runs its loads (before the forward)."""
+        for step in meta.steps:
+            req = self.reqs.get(step.req_id)
+            if step.keys is not None:
+                req = self.reqs[step.req_id] = _Req(step.tenant, step.keys, list(step.block_ids), step.pool_chunks)
+            elif req is None:
+                continue
+            elif step.replace_blocks:
+                req.block_ids = list(step.block_ids)
+            else:
+                req.block_ids.extend(step.block_ids)
+            if step.load is not None:
+                self._load(step.req_id, req, *step.load)
+
+    def _load(self, req_id: str, req: _Req, lo: int, hi: int) -> None:
+        c = self.chunk_tokens
+        c0, c1 = lo // c, cdiv(hi, c)
+        t0 = time.perf_counter()
+        done = lo
+        try:
+            chunks = self.pool.load(req.tenant, req.keys[c0:c1])
+            self._add("load_pool_us", int((time.perf_counter() - t0) * 1e6))
+            for j, chunk in enumerate(chunks):
+                a, b = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c)
+                part = chunk[:, :, a - (c0 + j) * c : b - (c0 + j) * c]
+                self.copier.scatter(part, self._slots(req, a, b))
+                done = b
+        except Exception as e:  # noqa: BLE001 - any failure on the read path is a miss
+            log.warning("KVPoolConnector: load of request %s failed after %d tokens (%s)", req_id, done, e)
+        dt = time.perf_counter() - t0
+        self._add("load_us", int(dt * 1e6))
+        self._load_s += dt
+        loaded = done - lo
+        if loaded:
+            self._meta.load_samples.append((loaded * self.spec.chunk_nbytes // c, dt))
+            self._add("loaded_tokens", loaded)
+        if done < hi:
+            bs = self.block_size
+            bad = set(req.block_ids[done // bs : cdiv(hi, bs)])
+            self.failed_blocks |= bad
+            self.failed_history.extend(sorted(bad))
+            req.dirty_from = done if req.dirty_from is None else min(req.dirty_from, done)
+            req.saved = min(req.saved, done // c)
+            self._add("load_failures")
+            self._add("failed_blocks", len(bad))
+            self._add("failed_tokens", hi - done)
+
+    def save(self, meta: PoolStepMeta) -> None:
+        """After the forward: saves every whole prompt chunk that is now computed."""
+        t_forward = time.perf_counter() - self._t_bind - self._load_s
+        if meta.prefill_tokens >= self.block_size and meta.prefill_tokens * 2 >= meta.total_tokens:
+            self._meta.prefill_samples.append((meta.total_tokens, t_forward))
+        c = self.chunk_tokens
+        for step in meta.steps:
+            req = self.reqs.get(step.req_id)
+            if req is None:
+                continue
+            if req.dirty_from is not None:
+                if step.computed_before > req.dirty_from:
+                    continue  # this forward read blocks a failed load never filled: save nothing of it
+                req.dirty_from = None  # this forward recomputed them
+            whole = min(step.computed_after // c, len(req.keys))
+            if whole <= req.saved and (req.touched or req.saved == 0):
+                continue  # nothing new; a request that hit tells the pool's policy once (below)
+            try:
+                t0 = time.perf_counter()
+                chunks = [self.copier.gather(self._slots(req, i * c, (i + 1) * c)) for i in range(req.saved, whole)]
+                t1 = time.perf_counter()
+                stored = self.pool.save(req.tenant, req.keys, chunks, start=req.saved)
+                self._add("save_copy_us", int((t1 - t0) * 1e6))
+                self._add("save_us", int((time.perf_counter() - t0) * 1e6))
+                self._add("saved_chunks", stored)
+                if chunks:
+                    self._add("save_steps")
+                req.saved, req.touched = max(whole, req.saved), True
+            except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
+                log.warning("KVPoolConnector: save of request %s failed (%s)", step.req_id, e)
+                self._add("save_errors")
+                req.touched = True
+
+    def forget(self, req_ids: set[str]) -> None:
+        for r in req_ids:
+            self.reqs.pop(r, None)
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self.failed_blocks = self.failed_blocks, set()
+        return out
+
+    def take_meta(self) -> PoolWorkerMeta | None:
+        out, self._meta = self._meta, PoolWorkerMeta()
+        return out if out else None
+
+    def _add(self, name: str, n: int = 1) -> None:
+        self._meta.counters[name] = self._meta.counters.get(name, 0) + n
