@@ -56,16 +56,18 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "1073741824", "10GiB", "500 MB"."""
+    """Bytes from "1073741824", "10GiB", "500 MB" (exact: "1.5KiB" is 1536, "0.5" is an error)."""
     import re
+    from fractions import Fraction
 
-    from kvpool.errors import BadRequest
-
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]*)\s*", text) if isinstance(text, str) else None
     unit = m.group(2).lower() if m else None
     if not m or unit not in _SIZE_UNITS:
         raise BadRequest(f"size {text!r} is not a number of bytes like 1073741824, 10GiB or 500MB")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    size = Fraction(m.group(1)) * _SIZE_UNITS[unit]  # NOTE: exact; a float would round large sizes
+    if size.denominator != 1:
+        raise BadRequest(f"size {text!r} is not a whole number of bytes: use a smaller unit or a whole number")
+    return int(size)
 
 
 def _index_from(args: argparse.Namespace):
@@ -86,6 +88,8 @@ def _tenants(args: argparse.Namespace) -> int:
 
     idx = _index_from(args)
     if args.action == "list":
+        if args.args:
+            raise SystemExit("usage: kvpool tenants list [--json]")
         rows = idx.tenants()
         if args.json:
             print(json.dumps([{"tenant": t.id, "usage": t.usage, "quota": t.quota, "priority": t.priority} for t in rows]))
@@ -94,10 +98,9 @@ def _tenants(args: argparse.Namespace) -> int:
             for t in rows:
                 print(f"{t.id:<24}{t.usage:>16}{t.quota:>22}{t.usage / t.quota if t.quota else 0:>8.1%}  {t.priority}")
     elif args.action == "usage":
-        (tenant,) = args.args or [None]
-        if tenant is None:
+        if len(args.args) != 1:
             raise SystemExit("usage: kvpool tenants usage TENANT")
-        print(idx.usage(tenant))
+        print(idx.usage(args.args[0]))
     elif args.action == "set-quota":
         if len(args.args) != 2:
             raise SystemExit("usage: kvpool tenants set-quota TENANT BYTES")
@@ -180,6 +183,14 @@ def _bench_datapath(args: argparse.Namespace) -> int:
     result = datapath.run(nodes=args.nodes, progress=not args.json)
     print(json.dumps(result, indent=2) if args.json else datapath.format_table(result))
     return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from kvpool.cluster import soak
+
+    r = soak.run(seconds=args.seconds, clients=args.clients, nodes=args.nodes, progress=not args.json)
+    print(json.dumps(r, indent=2) if args.json else soak.format_report(r))
+    return 0 if r["wrong_bytes"] == 0 else 1
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:
@@ -293,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--context", type=int, default=32768)
     bk.add_argument("--json", action="store_true")
     bk.set_defaults(func=_bench_kernels)
+    bs = bsub.add_parser("soak", help="concurrent clients on a local multi-node pool: throughput, p99, errors, RSS")
+    bs.add_argument("--seconds", type=float, default=600.0, help="measured time after warm-up (default 600)")
+    bs.add_argument("--clients", type=int, default=4)
+    bs.add_argument("--nodes", type=int, default=2)
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=_bench_soak)
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
