@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	bash helm/get-helm.sh
 	touch $(STAMP)
 
 $(ESTAMP): pyproject.toml Makefile

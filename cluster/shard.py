@@ -37,6 +37,12 @@ def _keys(raw) -> list[ChunkKey]:
     return [k if isinstance(k, ChunkKey) else ChunkKey(bytes(k)) for k in raw]
 
 
+def tenants_to_register(config: list[dict], known: set[str]) -> list[dict]:
+    """The tenants a joining shard writes to the index: new ones, and known ones whose quota or
+    priority its config names; a known tenant otherwise keeps what the operator set."""
+    return [t for t in config if t["id"] not in known or "quota_bytes" in t or "priority" in t]
+
+
 @ray.remote(num_cpus=0, max_concurrency=8)
 class ShardActor:
     def __init__(self, shard_id: str, pool: str, store: dict, tenants: list[dict], index_url: str | None,
@@ -72,8 +78,12 @@ class ShardActor:
 
     # ---------------------------------------------------------------- membership
     def _join(self) -> None:
-        """Registers the tenants it serves and itself (again, after the index lost them)."""
-        for t in self.tenant_config:
+        """Registers the tenants it serves and itself (again, after the index lost them).
+
+        NOTE: a tenant the index already knows keeps its quota and priority (an operator may have
+        set them with `kvpool tenants`) unless this shard's config names them explicitly: a node
+        joining must not reset a quota to unlimited."""
+        for t in tenants_to_register(self.tenant_config, {t.id for t in self.index.tenants()}):
             self.index.add_tenant(t["id"], t.get("quota_bytes", 2**62), t.get("priority", "normal"))
         self.index.register_shard(self.shard_id, self.node_id, self.ttl_s)
 

@@ -127,13 +127,26 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_tenant(text: str) -> dict:
+    """``id[:quota[:priority]]``, e.g. ``acme:40GiB:high``; quota and priority are optional."""
+    parts = text.split(":")
+    if not parts[0] or len(parts) > 3:
+        raise BadRequest(f"--tenant {text!r}: write id[:quota[:priority]], e.g. acme:40GiB:high")
+    out: dict = {"id": parts[0]}
+    if len(parts) > 1 and parts[1]:
+        out["quota_bytes"] = parse_size(parts[1])
+    if len(parts) > 2 and parts[2]:
+        out["priority"] = parts[2]
+    return out
+
+
 def _up(args: argparse.Namespace) -> int:
     from kvpool.cluster import ops
 
     store = {"page_bytes": parse_size(args.page_size), "dram_pages": args.dram_pages, "policy": args.policy}
     if args.disk_dir:
         store |= {"disk_dir": args.disk_dir, "disk_pages": args.disk_pages}
-    tenants = [{"id": t} for t in args.tenant] or [{"id": "default"}]
+    tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
     state = ops.cmd_up(args.ray_address, args.redis, store, tenants)
     print(f"kvpool is up: {len(state['shards'])} shards, ring version {state['version']}")
     for sid, info in sorted(state["shards"].items()):
@@ -248,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--disk-dir", help="directory of a disk tier")
     u.add_argument("--disk-pages", type=int, default=0)
     u.add_argument("--policy", default="default", help="eviction policy of every shard (default: adaptive)")
-    u.add_argument("--tenant", action="append", default=[], help="a tenant to serve (repeat)")
+    u.add_argument("--tenant", action="append", default=[],
+                   help="a tenant to serve, id[:quota[:priority]] (repeat); a known tenant keeps its quota unless given")
     u.set_defaults(func=_up)
     d2 = sub.add_parser("down", help="drain every shard and stop the pool")
     d2.add_argument("--ray-address")

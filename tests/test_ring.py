@@ -78,3 +78,4 @@ def test_empty_ring_and_bad_shards_are_clear_errors():
         HashRing().owners(KEYS[0])
     with pytest.raises(BadRequest, match="positive weight"):
         HashRing().add("a", 0)
+

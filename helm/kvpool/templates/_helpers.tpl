@@ -1,0 +1,209 @@
+{{/*
+Names. The full name is kept to 40 characters: KubeRay and StatefulSets append their own suffixes
+(`-head-svc`, `-gpu-worker-abcde`, `-redis-0`) and pod names stop at 63.
+*/}}
+{{- define "kvpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvpool.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvpool.labels" -}}
+helm.sh/chart: {{ include "kvpool.chart" . }}
+{{ include "kvpool.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvpool
+{{- end }}
+
+{{- define "kvpool.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Addresses (in-cluster DNS names). */}}
+{{- define "kvpool.headService" -}}
+{{- printf "%s-head" (include "kvpool.fullname" .) }}
+{{- end }}
+
+{{- define "kvpool.headHost" -}}
+{{- printf "%s.%s.svc.%s" (include "kvpool.headService" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{- define "kvpool.rayClientAddress" -}}
+{{- printf "ray://%s:%d" (include "kvpool.headHost" .) (int .Values.ray.clientPort) }}
+{{- end }}
+
+{{- define "kvpool.dashboardService" -}}
+{{- printf "%s-dashboard" (include "kvpool.fullname" .) }}
+{{- end }}
+
+{{- define "kvpool.redisName" -}}
+{{- printf "%s-redis" (include "kvpool.fullname" .) }}
+{{- end }}
+
+{{- define "kvpool.redisHost" -}}
+{{- printf "%s.%s.svc.%s" (include "kvpool.redisName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{- define "kvpool.redisSecretName" -}}
+{{- default (include "kvpool.redisName" .) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/*
+The index URL as it appears to people (NOTES.txt): the password is never printed.
+*/}}
+{{- define "kvpool.redisUrlShown" -}}
+{{- if eq .Values.redis.mode "internal" -}}
+{{- printf "redis://:<password>@%s:%d/0" (include "kvpool.redisHost" .) (int .Values.redis.port) }}
+{{- else if .Values.redis.external.existingSecret -}}
+{{- printf "<the URL in Secret %s, key %s>" .Values.redis.external.existingSecret .Values.redis.external.existingSecretKey }}
+{{- else -}}
+{{- .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment that gives a container KVPOOL_REDIS_URL (the password from the Secret, never in the
+manifest). Kubernetes expands $(REDIS_PASSWORD) because it is defined first.
+*/}}
+{{- define "kvpool.redisEnv" -}}
+{{- if eq .Values.redis.mode "internal" }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvpool.redisSecretName" . }}
+      key: {{ .Values.redis.auth.existingSecretKey }}
+- name: KVPOOL_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "kvpool.redisHost" .) (int .Values.redis.port) | quote }}
+{{- else if .Values.redis.external.existingSecret }}
+- name: KVPOOL_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret }}
+      key: {{ .Values.redis.external.existingSecretKey }}
+{{- else }}
+- name: KVPOOL_REDIS_URL
+  value: {{ .Values.redis.external.url | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Sizes, MiB. */}}
+{{- define "kvpool.slabMiB" -}}
+{{- mul (int .Values.pool.pageMiB) (int .Values.pool.dramPages) }}
+{{- end }}
+
+{{/* /dev/shm of a Ray pod: its object store + the DRAM slab of its shard + headroom. Arg: (list root objectStoreMiB). */}}
+{{- define "kvpool.shmMiB" -}}
+{{- $root := index . 0 }}
+{{- add (int (index . 1)) (int (include "kvpool.slabMiB" $root)) (int $root.Values.shm.headroomMiB) }}
+{{- end }}
+
+{{/*
+A memory quantity in MiB when written with a Mi, Gi or Ti suffix (or plain bytes); "" otherwise
+(then the render-time check below is skipped).
+*/}}
+{{- define "kvpool.quantityMiB" -}}
+{{- $q := toString . }}
+{{- if regexMatch "^[0-9]+Mi$" $q }}{{ trimSuffix "Mi" $q }}
+{{- else if regexMatch "^[0-9]+Gi$" $q }}{{ mul (int (trimSuffix "Gi" $q)) 1024 }}
+{{- else if regexMatch "^[0-9]+Ti$" $q }}{{ mul (int (trimSuffix "Ti" $q)) 1048576 }}
+{{- else if regexMatch "^[0-9]+$" $q }}{{ div (int64 $q) 1048576 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks across values that the JSON schema cannot express; each failure names the values to change.
+*/}}
+{{- define "kvpool.checks" -}}
+{{- $w := .Values.worker }}
+{{- if or (gt (int $w.minReplicas) (int $w.replicas)) (gt (int $w.replicas) (int $w.maxReplicas)) }}
+{{- fail (printf "worker: need minReplicas <= replicas <= maxReplicas, got %d <= %d <= %d" (int $w.minReplicas) (int $w.replicas) (int $w.maxReplicas)) }}
+{{- end }}
+{{- range $group := list "head" "worker" }}
+{{- $g := index $.Values $group }}
+{{- $limit := dig "limits" "memory" "" ($g.resources | default dict) }}
+{{- $limitMiB := include "kvpool.quantityMiB" $limit }}
+{{- $shm := int (include "kvpool.shmMiB" (list $ $g.objectStoreMiB)) }}
+{{- if and $limitMiB (le (int64 $limitMiB) (int64 $shm)) }}
+{{- fail (printf "%s.resources.limits.memory %s does not exceed its /dev/shm of %d MiB (%s.objectStoreMiB %d + pool.pageMiB x pool.dramPages = %s + shm.headroomMiB %d): /dev/shm counts against the memory limit; raise the limit or shrink the object store or the slab" $group (toString $limit) $shm $group (int $g.objectStoreMiB) (include "kvpool.slabMiB" $) (int $.Values.shm.headroomMiB)) }}
+{{- end }}
+{{- end }}
+{{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) }}
+{{- fail "redis.mode=external needs redis.external.url (redis://host:6379/0) or redis.external.existingSecret (a Secret holding the URL)" }}
+{{- end }}
+{{- if and (eq .Values.pool.policy "tiered-memory") (not .Values.pool.disk.enabled) }}
+{{- fail "pool.policy=tiered-memory demotes DRAM -> disk before dropping: set pool.disk.enabled=true (and pool.disk.pages), or pick a one-tier policy such as lru" }}
+{{- end }}
+{{- $ids := list }}
+{{- range .Values.pool.tenants }}
+{{- if has .id $ids }}
+{{- fail (printf "pool.tenants: tenant %q is listed twice" .id) }}
+{{- end }}
+{{- $ids = append $ids .id }}
+{{- end }}
+{{- if not (has .Values.engineTenant $ids) }}
+{{- fail (printf "engineTenant %q is not among pool.tenants %v" .Values.engineTenant $ids) }}
+{{- end }}
+{{- if .Values.warmup.enabled }}
+{{- range .Values.warmup.entries }}
+{{- if not (has .tenant $ids) }}
+{{- fail (printf "warmup.entries: tenant %q is not among pool.tenants %v" .tenant $ids) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes every Ray pod has: /dev/shm, the pool config, the disk tier. Arg: (list root objectStoreMiB). */}}
+{{- define "kvpool.rayVolumes" -}}
+{{- $root := index . 0 }}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ printf "%sMi" (include "kvpool.shmMiB" .) }}
+- name: config
+  configMap:
+    name: {{ include "kvpool.fullname" $root }}-config
+{{- if $root.Values.pool.disk.enabled }}
+- name: disk
+{{- if $root.Values.pool.disk.hostPath }}
+  hostPath:
+    path: {{ $root.Values.pool.disk.hostPath }}
+    type: DirectoryOrCreate
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ printf "%dMi" (mul (int $root.Values.pool.pageMiB) (int $root.Values.pool.disk.pages)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.rayVolumeMounts" -}}
+- name: shm
+  mountPath: /dev/shm
+- name: config
+  mountPath: /etc/kvpool
+  readOnly: true
+{{- if .Values.pool.disk.enabled }}
+- name: disk
+  mountPath: {{ .Values.pool.disk.path }}
+{{- end }}
+{{- end }}
