@@ -231,8 +231,12 @@ class ShardActor:
         return st
 
     def drain(self) -> int:
-        """Leaves gracefully: forgets its entries in the index and closes its slabs."""
+        """Leaves gracefully: ends the requests and read holds still open (their chunks become
+        misses for those clients), forgets its entries in the index and closes its slabs."""
         self._stop.set()
+        for rid in list(self._requests):
+            self.end(rid)
+        self.store.expire_holds(now=float("inf"))
         keys = list(self.index.shard_keys(self.shard_id))
         n = self.index.remove(keys, shard=self.shard_id) if keys else 0
         self.store.close()

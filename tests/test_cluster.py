@@ -185,9 +185,12 @@ def test_draining_a_shard_turns_its_chunks_into_misses_and_takes_it_out_of_the_r
     victim = shard_id_of(nodes[-1].node_id)  # the node added above
     assert victim in hit.shards  # 60 chunks over 4 shards: some land there
     first = hit.shards.index(victim)
+    req = client.begin("a", keys)  # a request in flight holds chunks there: draining still works
+    assert victim in req.shard_requests
     controller = ray.get_actor(CONTROLLER)
     n = ray.get(controller.drain.remote(victim), timeout=60)
     assert n >= 1
+    client.end(req)
     assert client.lookup(keys).count == first
     got = client.get("a", keys)
     assert len(got) == first and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
