@@ -19,8 +19,8 @@ Lifecycle, per request:
   declined. ``update_state_after_alloc`` / ``build_connector_meta`` turn the answer into a load
   of a token range and, for every step of the prefill, how far the prompt is computed;
 - worker: ``start_load_kv`` loads that range before the forward (synchronously) and scatters it
-  into the request's blocks (:mod:`kvpool.connectors.vllm_layout`: vLLM's CPU attention stores K
-  transposed inside a block, checked at startup; kvpool's paged kernels on GPU); chunks the pool
+  into the request's blocks (kvpool's paged kernels through :mod:`kvpool.connectors.vllm_layout`;
+  vLLM's CPU attention stores K transposed inside a block, checked at startup); chunks the pool
   cannot return (evicted, failed checksum, shard down) are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them (policy
   ``recompute``); ``wait_for_save`` gathers every whole prompt chunk the forward has just

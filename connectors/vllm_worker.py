@@ -11,8 +11,9 @@ leading chunks are known to be in the pool. Each step it
 - measures both sides for the load-or-recompute decision: load bandwidth, and forward seconds
   per computed token (from metadata bind to ``wait_for_save``, minus the load).
 
-The copies go through :mod:`kvpool.connectors.vllm_layout`: vLLM's CPU attention layout (checked
-against vLLM's own cache-write op at startup) on CPU, kvpool's paged kernels elsewhere.
+The copies go through :mod:`kvpool.connectors.vllm_layout`: kvpool's paged kernels on every
+device, with vLLM's CPU layout (K transposed inside a block) checked against vLLM's own
+cache-write op at startup.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ buffer (a pool slab) and ``scrub_blocks`` whole blocks of a paged cache, for ten
 no residue after eviction.
 
 One Triton kernel serves every cache format of :mod:`kvpool.kernels.layouts`: the layout turns
-the cache into per-layer ``[2, NB, BS, H, D]`` views, and the kernel gets those views' strides
-plus each layer's element offset from layer 0, so it never knows which engine it is copying for.
-Each kernel has a PyTorch reference (``*_ref``) indexing the same views.
+the cache into per-layer K and V views ``[NB, BS, H, D]``, and the kernel gets the K views'
+strides, the V views' strides (they may differ: vLLM's CPU cache stores K transposed inside a
+block) and every (layer, K/V) view's element offset from layer 0's K, so it never knows which
+engine it is copying for. Each kernel has a PyTorch reference (``*_ref``) indexing the same views.
 
 Everything is checked on the host before anything is written: a slot or page out of range, a
 duplicate slot in a scatter, a dtype, shape or device mismatch is a ``BadRequest`` and leaves the
@@ -30,7 +31,7 @@ import torch
 from kvpool.errors import BadRequest
 
 from ._backend import HAVE_TRITON, resolve_impl
-from .layouts import Cache, Geometry, PagedLayout, sglang_layout, vllm_layout
+from .layouts import Cache, Geometry, LayerViews, PagedLayout, sglang_layout, vllm_layout
 
 __all__ = [
     "PagedLayout",
@@ -62,26 +63,17 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _paged_copy_kernel(
-        cache_ptr, layer_off_ptr, chunk_ptr, slots_ptr,
-        T, H, BS,
-        s_kv, s_blk, s_off, s_h, s_d,  # paged side: strides of a layer's [2, NB, BS, H, D] view
-        c_l, c_kv, c_t, c_h, c_d,  # chunk side: strides of [L, 2, T, H, D]
+    def _copy_heads(
+        cache_ptr, chunk_ptr, paged_row, chunk_row, t_mask, H, s_h, s_d, c_h, c_d,
         MODE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         P_VEC: tl.constexpr, C_VEC: tl.constexpr,
     ):
-        """Program (token block, layer, kv): copy BLOCK_T tokens' heads x dims of one K or V.
+        """Copy the [BLOCK_T, D] tile of every head between the rows ``paged_row`` (int64 element
+        offsets of each token's head 0, dim 0 in the cache) and ``chunk_row`` (the same in the
+        chunk); heads step by ``s_h`` / ``c_h``, dims by ``s_d`` / ``c_d``.
 
         P_VEC / C_VEC: how many elements every row start of the paged / chunk side is a multiple
         of (checked on the host), so a GPU can use 16-byte loads and stores."""
-        layer = tl.program_id(1)
-        kv = tl.program_id(2).to(tl.int64)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = t < T
-        slot = tl.load(slots_ptr + t, mask=t_mask, other=0).to(tl.int64)
-        # NOTE: int64 addressing throughout: a host pool's kv stride alone can pass 2**31.
-        paged_row = tl.load(layer_off_ptr + layer) + kv * s_kv + (slot // BS) * s_blk + (slot % BS) * s_off
-        chunk_row = layer.to(tl.int64) * c_l + kv * c_kv + t.to(tl.int64) * c_t
         d = tl.arange(0, BLOCK_D)
         mask = t_mask[:, None] & (d < D)[None, :]
         paged_col = (d.to(tl.int64) * s_d)[None, :]
@@ -97,6 +89,39 @@ if HAVE_TRITON:
                 tl.store(paged, tl.zeros([BLOCK_T, BLOCK_D], dtype=cache_ptr.dtype.element_ty), mask=mask)
             paged_row += s_h
             chunk_row += c_h
+
+    @triton.jit
+    def _paged_copy_kernel(
+        cache_ptr, view_off_ptr, chunk_ptr, slots_ptr,
+        T, H, BS,
+        k_blk, k_off, k_h, k_d,  # paged side: strides of a layer's K view [NB, BS, H, D]
+        v_blk, v_off, v_h, v_d,  # ... and of its V view (may differ from K's)
+        c_l, c_kv, c_t, c_h, c_d,  # chunk side: strides of [L, 2, T, H, D]
+        MODE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        K_VEC: tl.constexpr, V_VEC: tl.constexpr, C_VEC: tl.constexpr,
+    ):
+        """Program (token block, layer, kv): copy BLOCK_T tokens' heads x dims of one K or V.
+
+        ``view_off_ptr[2 * layer + kv]`` is the element offset of that layer's K (kv 0) or V
+        (kv 1) view from layer 0's K view, which ``cache_ptr`` points at."""
+        layer = tl.program_id(1)
+        kv = tl.program_id(2)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = t < T
+        slot = tl.load(slots_ptr + t, mask=t_mask, other=0).to(tl.int64)
+        blk, off = slot // BS, slot % BS
+        # NOTE: int64 addressing throughout: a host pool's kv stride alone can pass 2**31.
+        base = tl.load(view_off_ptr + layer * 2 + kv)
+        chunk_row = layer.to(tl.int64) * c_l + kv.to(tl.int64) * c_kv + t.to(tl.int64) * c_t
+        # NOTE: a branch per kv, not strides selected at run time: each branch keeps its own
+        # stride specialisations and vector width (K of vLLM's CPU layout is not unit-stride in
+        # its dims, its V is), at the cost of compiling the tile copy twice.
+        if kv == 0:
+            _copy_heads(cache_ptr, chunk_ptr, base + blk * k_blk + off * k_off, chunk_row, t_mask, H, k_h, k_d,
+                        c_h, c_d, MODE, D, BLOCK_T, BLOCK_D, K_VEC, C_VEC)
+        else:
+            _copy_heads(cache_ptr, chunk_ptr, base + blk * v_blk + off * v_off, chunk_row, t_mask, H, v_h, v_d,
+                        c_h, c_d, MODE, D, BLOCK_T, BLOCK_D, V_VEC, C_VEC)
 
     @triton.jit
     def _scrub_kernel(buf_ptr, pages_ptr, page_numel, BLOCK: tl.constexpr):
@@ -123,7 +148,7 @@ def gather(cache: Cache, slots: torch.Tensor, layout: PagedLayout, *, out: Optio
         out = torch.empty(_chunk_shape(geo, slots.numel()), dtype=geo.dtype, device=geo.device)
     else:
         _check_chunk(out, geo, slots.numel(), "out")
-    if resolve_impl(impl, views[0], slots, out) == "triton":
+    if resolve_impl(impl, views[0].k, slots, out) == "triton":
         _copy_triton(views, geo, slots, out, _GATHER)
     else:
         _gather_torch(views, slots, geo, out)
@@ -143,7 +168,7 @@ def scatter(chunk: torch.Tensor, cache: Cache, slots: torch.Tensor, layout: Page
     views, geo = layout.views(cache)
     slots = _check_slots(slots, geo, layout, unique=True)
     _check_chunk(chunk, geo, slots.numel(), "chunk")
-    if resolve_impl(impl, views[0], slots, chunk) == "triton":
+    if resolve_impl(impl, views[0].k, slots, chunk) == "triton":
         _copy_triton(views, geo, slots, chunk, _SCATTER)
     else:
         _scatter_torch(views, slots, geo, chunk)
@@ -188,14 +213,15 @@ def scrub_blocks(cache: Cache, block_ids: torch.Tensor, layout: PagedLayout, *, 
     blocks = _check_ids(block_ids, geo.num_blocks, geo.device, layout.name, "block", f"{geo.num_blocks} blocks")
     if blocks.numel() == 0:
         return
-    if resolve_impl(impl, views[0], blocks) == "triton":
+    if resolve_impl(impl, views[0].k, blocks) == "triton":
         # NOTE: zeroing a block is a write of zeros to its BS slots; repeated blocks are harmless.
         offsets = torch.arange(geo.block_size, dtype=torch.int64, device=geo.device)
         slots = (blocks[:, None] * geo.block_size + offsets[None, :]).reshape(-1)
         _copy_triton(views, geo, slots, None, _ZERO)
     else:
-        for v in views:
-            _bits(v)[:, blocks] = 0
+        for k, v in views:
+            _bits(k)[blocks] = 0
+            _bits(v)[blocks] = 0
 
 
 def scrub_blocks_ref(cache: Cache, block_ids: torch.Tensor, layout: PagedLayout) -> None:
@@ -274,58 +300,64 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
 
-def _gather_torch(views: list[torch.Tensor], slots: torch.Tensor, geo: Geometry, out: torch.Tensor) -> None:
+def _gather_torch(views: list[LayerViews], slots: torch.Tensor, geo: Geometry, out: torch.Tensor) -> None:
     blk, off = slots // geo.block_size, slots % geo.block_size
     out_bits = _bits(out)
-    for layer, v in enumerate(views):
-        out_bits[layer] = _bits(v)[:, blk, off]  # [2, T, H, D]
+    for layer, (k, v) in enumerate(views):
+        out_bits[layer, 0] = _bits(k)[blk, off]  # [T, H, D]
+        out_bits[layer, 1] = _bits(v)[blk, off]
 
 
-def _scatter_torch(views: list[torch.Tensor], slots: torch.Tensor, geo: Geometry, chunk: torch.Tensor) -> None:
+def _scatter_torch(views: list[LayerViews], slots: torch.Tensor, geo: Geometry, chunk: torch.Tensor) -> None:
     blk, off = slots // geo.block_size, slots % geo.block_size
     chunk_bits = _bits(chunk)
-    for layer, v in enumerate(views):
-        _bits(v)[:, blk, off] = chunk_bits[layer]
+    for layer, (k, v) in enumerate(views):
+        _bits(k)[blk, off] = chunk_bits[layer, 0]
+        _bits(v)[blk, off] = chunk_bits[layer, 1]
 
 
-def _layer_offsets(views: list[torch.Tensor]) -> list[int]:
-    """Each layer view's start, in elements from layer 0's (negative when allocated below it).
+def _view_offsets(views: list[LayerViews]) -> list[int]:
+    """Every view's start, in elements from layer 0's K view, as ``[K0, V0, K1, V1, ...]``
+    (negative when allocated below it).
 
     NOTE: per-layer caches are separate allocations; addressing them all from layer 0's pointer
     is sound in one flat device address space (and in the interpreter, which runs on CPU memory
     as is) and lets one launch cover every layer, where a pointer table would need an int-to-
     pointer cast."""
-    base, item = views[0].data_ptr(), views[0].element_size()
+    base, item = views[0].k.data_ptr(), views[0].k.element_size()
     offsets = []
-    for v in views:
-        delta = v.data_ptr() - base
-        assert delta % item == 0, "tensors of one dtype are aligned to their element size"
-        offsets.append(delta // item)
+    for pair in views:
+        for t in pair:
+            delta = t.data_ptr() - base
+            assert delta % item == 0, "tensors of one dtype are aligned to their element size"
+            offsets.append(delta // item)
     return offsets
 
 
-def _copy_triton(views: list[torch.Tensor], geo: Geometry, slots: torch.Tensor, chunk: Optional[torch.Tensor],
+def _copy_triton(views: list[LayerViews], geo: Geometry, slots: torch.Tensor, chunk: Optional[torch.Tensor],
                  mode: int) -> None:
     tokens = slots.numel()
     if tokens == 0:
         return
-    cache_bits = _bits(views[0])
-    chunk_bits = _bits(chunk) if chunk is not None else cache_bits  # unused by _ZERO
+    k_bits, v_bits = _bits(views[0].k), _bits(views[0].v)
+    chunk_bits = _bits(chunk) if chunk is not None else k_bits  # unused by _ZERO
     chunk_strides = chunk_bits.stride() if chunk is not None else (0,) * 5
-    offsets = _layer_offsets(views)
-    layer_off = torch.tensor(offsets, dtype=torch.int64, device=geo.device)
-    item = cache_bits.element_size()
-    p_vec = _vector_width(item, geo.head_dim, cache_bits.stride(), cache_bits.data_ptr(), offsets)
+    offsets = _view_offsets(views)
+    view_off = torch.tensor(offsets, dtype=torch.int64, device=geo.device)
+    item, ptr = k_bits.element_size(), k_bits.data_ptr()
+    k_vec = _vector_width(item, geo.head_dim, k_bits.stride(), ptr, offsets[0::2])
+    v_vec = _vector_width(item, geo.head_dim, v_bits.stride(), ptr, offsets[1::2])
     c_vec = _vector_width(item, geo.head_dim, chunk_strides, chunk_bits.data_ptr(), []) if chunk is not None else 1
     block_d = triton.next_power_of_2(geo.head_dim)
     block_t = min(triton.next_power_of_2(tokens), max(1, _TILE_ELEMS // block_d), _MAX_BLOCK_T)
     grid = (triton.cdiv(tokens, block_t), geo.num_layers, 2)
     _paged_copy_kernel[grid](
-        cache_bits, layer_off, chunk_bits, slots,
+        k_bits, view_off, chunk_bits, slots,
         tokens, geo.kv_heads, geo.block_size,
-        *cache_bits.stride(),
+        *k_bits.stride(),
+        *v_bits.stride(),
         *chunk_strides,
-        MODE=mode, D=geo.head_dim, BLOCK_T=block_t, BLOCK_D=block_d, P_VEC=p_vec, C_VEC=c_vec,
+        MODE=mode, D=geo.head_dim, BLOCK_T=block_t, BLOCK_D=block_d, K_VEC=k_vec, V_VEC=v_vec, C_VEC=c_vec,
     )
 
 

@@ -186,13 +186,14 @@ def physical_case(name, layers, blocks, bs, heads, dim):
     dim) physically lives: ``where(...) -> (buffer index, flat position)``. The positions are
     written out from each engine's documented layout, independently of kvpool's views."""
     size = blocks * bs
-    if name == "vllm_cpu":  # per (block, head): all BS tokens' K rows, then their V rows
+    if name == "vllm_cpu":  # per (block, head) row of BS*2D: K transposed [D, BS], then V [BS, D]
         raws = [torch.zeros(blocks * heads * bs * 2 * dim) for _ in range(layers)]
         cache = [r.view(blocks, heads, bs, 2 * dim) for r in raws]
 
         def where(l, kv, s, h, d):
             b, o = divmod(s, bs)
-            return l, (((b * heads + h) * 2 + kv) * bs + o) * dim + d
+            row = (b * heads + h) * bs * 2 * dim
+            return l, row + (d * bs + o if kv == 0 else bs * dim + o * dim + d)
     elif name == "vllm_gpu":  # memory [NB, BS, H, 2D] (K then V on the last axis), seen as [NB, H, BS, 2D]
         raws = [torch.zeros(blocks * bs * heads * 2 * dim) for _ in range(layers)]
         cache = [r.view(blocks, bs, heads, 2 * dim).permute(0, 2, 1, 3) for r in raws]
@@ -271,8 +272,13 @@ def test_vllm_cpu_geometry_of_the_observed_tensor():
     views, geo = vllm_layout("cpu").views([x, x])
     assert (geo.num_layers, geo.num_blocks, geo.block_size, geo.kv_heads, geo.head_dim) == (2, 16384, 32, 2, 64)
     assert geo.capacity == 16384 * 32
-    # [2, NB, BS, H, D]: V is 32*64 elements after K, a token 64, a head 4096, a block 8192
-    assert views[0].stride() == (2048, 8192, 64, 4096, 1)
+    # [NB, BS, H, D] each. K is transposed in a block: a token 1, a dim 32 (= BS); V: a token 64,
+    # a dim 1, starting 32*64 elements after K. A head is 4096, a block 8192 for both.
+    k, v = views[0]
+    assert k.shape == v.shape == (16384, 32, 2, 64)
+    assert k.stride() == (8192, 1, 4096, 32)
+    assert v.stride() == (8192, 64, 4096, 1)
+    assert v.storage_offset() - k.storage_offset() == 2048
     assert vllm_layout(torch.device("cpu")) == vllm_layout("cpu")
     assert vllm_layout("cuda") == vllm_layout("gpu")
 
