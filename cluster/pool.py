@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.errors import UnknownTenant
+from kvpool.errors import BadRequest, UnknownTenant
 from kvpool.keys import ChunkKey, Namespace, chunk_keys
 from kvpool.pool import torch_dtype
 from kvpool.spec import KVSpec
@@ -28,6 +28,8 @@ class ClusterPool:
                   extra_keys: Sequence[str | bytes] = ()) -> Namespace:
         if not shared and tenant not in self._salts:
             raise UnknownTenant(tenant)
+        if isinstance(extra_keys, (str, bytes)):
+            raise BadRequest("extra_keys is a list of strings or bytes; wrap a single one: [key]")
         salt = SHARED_SALT if shared else self._salts[tenant]
         return Namespace(salt, self._fp, adapter_id, tuple(extra_keys))
 

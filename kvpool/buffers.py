@@ -20,9 +20,14 @@ def as_byte_array(payload: object, *, writable: bool = False) -> np.ndarray:
     elif isinstance(payload, np.ndarray):
         if not payload.flags.c_contiguous:
             raise BadRequest("payload array is not C-contiguous: use np.ascontiguousarray first")
+        if payload.dtype.hasobject:
+            raise BadRequest(f"payload array holds Python objects (dtype {payload.dtype}): pass numeric data")
         arr = payload.reshape(-1).view(np.uint8)
     elif isinstance(payload, (bytes, bytearray, memoryview)):
-        arr = np.frombuffer(payload, dtype=np.uint8)
+        try:
+            arr = np.frombuffer(payload, dtype=np.uint8)
+        except (BufferError, ValueError):
+            raise BadRequest("payload memoryview is not C-contiguous: copy it (bytes(view)) first") from None
     else:
         raise BadRequest(
             f"payload must be a torch tensor, numpy array or bytes-like object, got {type(payload).__name__}"

@@ -104,7 +104,9 @@ def _tenants(args: argparse.Namespace) -> int:
     elif args.action == "set-quota":
         if len(args.args) != 2:
             raise SystemExit("usage: kvpool tenants set-quota TENANT BYTES")
-        tenant, size = args.args[0], parse_size(args.args[1])
+        from kvpool.index.base import check_quota
+
+        tenant, size = args.args[0], check_quota(parse_size(args.args[1]))  # NOTE: capped at unlimited (2**62)
         try:
             idx.set_quota(tenant, size)
             print(f"{tenant}: quota {size} B")
@@ -137,6 +139,11 @@ def parse_tenant(text: str) -> dict:
         out["quota_bytes"] = parse_size(parts[1])
     if len(parts) > 2 and parts[2]:
         out["priority"] = parts[2]
+    from kvpool.index.base import check_name
+    from kvpool.tenants import Tenant
+
+    check_name("tenant", parts[0])  # the index's rule, stricter than Tenant's
+    Tenant(**out)  # quota and priority checked here, before any Ray or Redis is touched
     return out
 
 

@@ -9,7 +9,7 @@ same in every process and on every machine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -29,6 +29,10 @@ class ChunkKey(bytes):
     __slots__ = ()
 
     def __new__(cls, raw: bytes) -> "ChunkKey":
+        if not isinstance(raw, (bytes, bytearray)):
+            raise BadRequest(
+                f"a chunk key is made of {KEY_BYTES} bytes, got {type(raw).__name__}: use ChunkKey.from_hex for text"
+            )
         if len(raw) != KEY_BYTES:
             raise BadRequest(f"a chunk key is {KEY_BYTES} bytes, got {len(raw)}: use ChunkKey.from_hex")
         return super().__new__(cls, raw)
@@ -37,7 +41,7 @@ class ChunkKey(bytes):
     def from_hex(cls, text: str) -> "ChunkKey":
         try:
             raw = bytes.fromhex(text)
-        except ValueError:
+        except (ValueError, TypeError):
             raise BadRequest(f"malformed chunk key {text!r}: expected {2 * KEY_BYTES} hex digits") from None
         return cls(raw)
 
@@ -58,6 +62,15 @@ def as_key(value: object) -> ChunkKey:
     )
 
 
+def as_keys(keys: object) -> list[ChunkKey]:
+    """A list of ChunkKeys from an iterable of them (the boundary check of every batched API)."""
+    if isinstance(keys, (bytes, str)) or not isinstance(keys, Iterable):
+        raise BadRequest(
+            f"expected a sequence of ChunkKeys, got {type(keys).__name__}: pass a list (one key: [key])"
+        )
+    return [as_key(k) for k in keys]
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Everything besides the tokens that decides whether two chunks are the same KV."""
@@ -67,6 +80,17 @@ class Namespace:
     adapter_id: str = ""
     extra_keys: tuple[str | bytes, ...] = ()
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tenant_salt, bytes) or not isinstance(self.spec_fingerprint, bytes):
+            raise BadRequest("a namespace's tenant salt and spec fingerprint are bytes: build it with "
+                             "Namespace.for_spec(spec, tenant.salt)")
+        if not isinstance(self.adapter_id, str):
+            raise BadRequest(f"adapter_id must be a string ('' for none), got {type(self.adapter_id).__name__}")
+        if not isinstance(self.extra_keys, tuple) or not all(isinstance(x, (str, bytes)) for x in self.extra_keys):
+            raise BadRequest(
+                f"extra_keys must be a sequence of str or bytes (e.g. multimodal hashes), got {self.extra_keys!r}"
+            )
 
     @classmethod
     def for_spec(
@@ -89,7 +113,10 @@ def tokens_le_int32(tokens: object) -> np.ndarray:
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "numpy"):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError):  # ragged nesting and the like
+        raise BadRequest("tokens must be a flat sequence of integer token ids (one request's prompt)") from None
     if arr.ndim != 1:
         raise BadRequest(f"tokens must be 1-D, got shape {arr.shape}: pass one request's token ids")
     if arr.size == 0:
@@ -114,13 +141,13 @@ def chunk_keys(
     ``start`` continues a chain: pass the last key of the tokens already hashed and only the
     tokens after them.
     """
-    if chunk_tokens <= 0:
-        raise BadRequest(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
+        raise BadRequest(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     arr = tokens_le_int32(tokens)
     n = arr.size // chunk_tokens
     step = chunk_tokens * 4
     data = arr[: n * chunk_tokens].tobytes()  # one copy; bytes slices then beat memoryview slices
-    prev = bytes(start) if start is not None else bytes(namespace.root())
+    prev = bytes(as_key(start)) if start is not None else bytes(namespace.root())
     digest = xxhash.xxh3_128_digest
     make = bytes.__new__  # NOTE: skips ChunkKey's length check; a 128-bit digest is 16 bytes
     keys: list[ChunkKey] = []

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.errors import LayoutMismatch
-from kvpool.keys import ChunkKey, Namespace, chunk_keys
+from kvpool.errors import BadRequest, LayoutMismatch
+from kvpool.keys import ChunkKey, Namespace, as_keys, chunk_keys
 from kvpool.policies import Access
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, Lease, StoreConfig
@@ -58,6 +58,10 @@ class LocalPool:
 
     def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
                   extra_keys: Sequence[str | bytes] = ()) -> Namespace:
+        if not isinstance(shared, bool):
+            raise BadRequest(f"shared must be True or False, got {shared!r}")
+        if isinstance(extra_keys, (str, bytes)):
+            raise BadRequest(f"extra_keys is a sequence of str or bytes: wrap one key in a list, [{extra_keys!r}]")
         salt = SHARED_SALT if shared else self.tenants.get(tenant).salt
         return Namespace(salt, self._fingerprint, adapter_id, tuple(extra_keys))
 
@@ -108,6 +112,13 @@ class LocalPool:
         each); the policy hears once of all the request's chunks. Returns how many were stored.
         Everything is validated before anything is written. The new chunks stay leased with
         ``request`` until the caller ends it."""
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise BadRequest(f"start must be the int index of the first chunk's key, got {start!r}")
+        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
+            raise LayoutMismatch(
+                f"chunks must be a list of KV tensors, got {type(chunks).__name__}: wrap one in [chunk]"
+            )
+        keys = as_keys(keys)
         if start < 0 or start + len(chunks) > len(keys):
             raise LayoutMismatch(
                 f"{len(chunks)} chunks from position {start} but only {len(keys)} keys: only whole chunks are keyed"
@@ -126,13 +137,17 @@ class LocalPool:
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         """The leading run of chunks that are resident and verify; each shaped like the spec. The
         policy hears of them when the request ends (``save``)."""
+        self.tenants.index(tenant)  # bad input fails before any chunk is read or counted
+        keys = as_keys(keys)
         out: list[torch.Tensor] = []
         dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
         m = self.store.metrics
+        nbytes = self.spec.chunk_nbytes
         for key in keys:
             buf = torch.empty(shape, dtype=dtype)
-            if self.store.get_many([key], tenant, [buf], touch=False)[0] is None:
-                break
+            got = self.store.get_many([key], tenant, [buf], touch=False)[0]
+            if got is None or got.shape[0] != nbytes:  # NOTE: a payload of another size is not a chunk of
+                break  # this spec (written through the bare store): a miss, never a half-filled tensor
             out.append(buf)
         hit_tokens = len(out) * self.spec.chunk_tokens
         if hit_tokens:

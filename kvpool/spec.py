@@ -51,15 +51,21 @@ class KVSpec:
     model_revision: str = "main"
 
     def __post_init__(self) -> None:
-        if not self.model_id:
-            raise BadRequest("KVSpec.model_id is empty: give the model's name, e.g. 'meta-llama/Llama-3-8B'")
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise BadRequest(
+                f"KVSpec.model_id must be the model's name, e.g. 'meta-llama/Llama-3-8B', got {self.model_id!r}"
+            )
+        if not isinstance(self.model_revision, str) or not self.model_revision:
+            raise BadRequest(
+                f"KVSpec.model_revision must be a non-empty string (default 'main'), got {self.model_revision!r}"
+            )
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise BadRequest(f"KVSpec.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise BadRequest(f"KVSpec.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        if self.storage_format not in STORAGE_FORMATS:
+        if not isinstance(self.storage_format, str) or self.storage_format not in STORAGE_FORMATS:
             raise BadRequest(
                 f"KVSpec.storage_format {self.storage_format!r} is not one of {STORAGE_FORMATS}"
             )
@@ -96,7 +102,13 @@ class KVSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVSpec":
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+            raise BadRequest(f"a KVSpec is read from a dict of its fields, got {type(data).__name__}")
+        fields = dataclasses.fields(cls)
+        unknown = set(data) - {f.name for f in fields}
         if unknown:
             raise BadRequest(f"unknown KVSpec fields {sorted(unknown)}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise BadRequest(f"KVSpec fields {missing} are missing: give every field without a default")
         return cls(**data)

@@ -19,7 +19,11 @@ under a lease, so readers do not serialize on each other's copies.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import math
+import numbers
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -31,12 +35,12 @@ from kvpool.buffers import as_byte_array
 from kvpool.cache import CacheHooks, TieredCache
 from kvpool.checksum import checksum, copy_with_checksum
 from kvpool.errors import BadRequest, ChunkTooLarge, PoolFull, QuotaExceeded, RequestCancelled
-from kvpool.keys import ChunkKey, as_key
+from kvpool.keys import ChunkKey, as_key, as_keys
 from kvpool.metrics import Metrics
 from kvpool.policies import NO_PARENT, Access, make_policy, policy_class
 from kvpool.slab import Slab
 from kvpool.spec import DEFAULT_HIGH_WATERMARK
-from kvpool.tenants import TenantRegistry, priority_rank
+from kvpool.tenants import PRIORITY_CLASSES, TenantRegistry, priority_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +70,30 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.disk_pages and not self.disk_dir:
             raise BadRequest("disk_pages > 0 needs disk_dir: the directory of the disk tier's file")
-        policy_class(self.policy)  # a clear error now rather than at the first eviction
-        if self.storage_format not in DEFAULT_HIGH_WATERMARK:
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,200}", self.name):
+            raise BadRequest(
+                f"store name {self.name!r} must be 1-200 letters, digits or _ . : @ - (it names slab files)"
+            )
+        if not isinstance(self.policy, str):
+            raise BadRequest(f"policy must be a policy's name, got {type(self.policy).__name__}")
+        cls = policy_class(self.policy)  # a clear error now rather than at the first eviction
+        if not isinstance(self.policy_params, dict):
+            raise BadRequest(
+                f"policy_params must be a dict of keyword arguments, got {type(self.policy_params).__name__}"
+            )
+        try:
+            inspect.signature(cls).bind(1, None, **self.policy_params)
+        except TypeError:
+            raise BadRequest(
+                f"policy_params {sorted(self.policy_params)} do not fit policy {self.policy!r}: it takes "
+                f"{list(inspect.signature(cls).parameters)[2:]}"
+            ) from None
+        if not isinstance(self.storage_format, str) or self.storage_format not in DEFAULT_HIGH_WATERMARK:
             raise BadRequest(f"storage_format {self.storage_format!r} is not one of {sorted(DEFAULT_HIGH_WATERMARK)}")
+        for name in ("high_watermark", "low_watermark"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                raise BadRequest(f"{name} must be a fraction of a tier in (0, 1] or None, got {v!r}")
         high, low = self.watermarks
         if not 0 < low < high <= 1:
             raise BadRequest(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
@@ -141,6 +166,30 @@ class Placement:
     offset: int
     nbytes: int
     checksum: int = 0
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise BadRequest(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _check_ttl(ttl_s: object) -> float:
+    if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not (0 <= ttl_s and math.isfinite(ttl_s)):
+        raise BadRequest(f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def _check_position(first_position: object) -> int:
+    if not isinstance(first_position, numbers.Integral) or isinstance(first_position, bool) or first_position < 0:
+        raise BadRequest(f"first_position must be an int >= 0 (the chunk index of keys[0]), got {first_position!r}")
+    return int(first_position)
+
+
+def _as_list(name: str, value: object) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise BadRequest(f"{name} must be a list, one item per key, got {type(value).__name__}")
+    return list(value)
 
 
 @dataclass(slots=True)
@@ -227,9 +276,14 @@ class ChunkStore(CacheHooks):
         written for a ``request`` stay leased until it ends.
         """
         if request is not None:
+            if not isinstance(request, ActiveRequest):
+                raise BadRequest(f"request must come from begin(), got {type(request).__name__}")
             request.check()
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
+        payloads = _as_list("payloads", payloads)
+        shared = _check_flag("shared", shared)
+        first_position = _check_position(first_position)
         if len(keys) != len(payloads):
             raise BadRequest(f"put_many got {len(keys)} keys but {len(payloads)} payloads")
         if parent is not None:
@@ -363,12 +417,20 @@ class ChunkStore(CacheHooks):
         (429 changes nothing); ``commit`` makes the chunks findable, ``abort`` (or ``ttl_s``
         without a commit) gives the pages back."""
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
+        sizes = _as_list("sizes", sizes)
+        shared = _check_flag("shared", shared)
+        first_position, ttl_s = _check_position(first_position), _check_ttl(ttl_s)
+        if parent is not None:
+            parent = as_key(parent)
         if len(keys) != len(sizes) or len(set(keys)) != len(keys):
             raise BadRequest("reserve needs one size per key and distinct keys")
         for n in sizes:
-            if not isinstance(n, int) or not 0 < n <= self.config.page_bytes:
-                raise ChunkTooLarge(f"a chunk of {n} B does not fit a page of {self.config.page_bytes} B")
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                raise BadRequest(f"a chunk size is a whole number of bytes > 0, got {n!r}")
+            if n > self.config.page_bytes:
+                raise ChunkTooLarge(f"a chunk of {n} B does not fit a page of {self.config.page_bytes} B: "
+                                    "store smaller chunks or configure a larger page_bytes")
         cache = self._cache
         with self._lock:
             new_bytes = sum(n for k, n in zip(keys, sizes) if k not in cache.index)
@@ -412,6 +474,10 @@ class ChunkStore(CacheHooks):
     def commit(self, hold_id: int, checksums: Sequence[int]) -> int:
         """The copies of a reservation are done: its first ``len(checksums)`` chunks become findable
         with these checksums (computed by the writer as it copied); the rest are given back."""
+        checksums = _as_list("checksums", checksums)
+        for cs in checksums:  # all checked before any chunk becomes findable
+            if not isinstance(cs, numbers.Integral) or isinstance(cs, bool) or not 0 <= cs < 2**64:
+                raise BadRequest(f"a checksum is the xxh3-64 of a chunk, an int in [0, 2**64), got {cs!r}")
         with self._lock:
             hold = self._holds.get(hold_id)
             if hold is None or hold.kind != "write":
@@ -442,7 +508,8 @@ class ChunkStore(CacheHooks):
         verifies. ``leading``: the leading run only; else a placement or None for every key (a
         client that asks the index at the same time). ``release`` (or ``ttl_s``) ends the lease."""
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
+        ttl_s = _check_ttl(ttl_s)
         with self._lock:
             hold = _Hold("read", [], time.monotonic() + ttl_s)
             out: list[Placement | None] = []
@@ -475,11 +542,11 @@ class ChunkStore(CacheHooks):
     def release(self, hold_id: int, corrupt: Sequence[ChunkKey] = ()) -> None:
         """Ends a read lease; ``corrupt`` names chunks whose bytes failed the reader's check (they
         are dropped, as a local read would)."""
+        bad = set(as_keys(corrupt))
         with self._lock:
             hold = self._holds.get(hold_id)
             if hold is None:
                 return
-            bad = set(corrupt)
             for node in hold.nodes:
                 if self._cache.node_key[node] in bad:
                     self._corrupt(node)
@@ -512,8 +579,10 @@ class ChunkStore(CacheHooks):
         """Registers a request in flight and leases the leading run of its chunks that the tenant
         can see; they stay until ``end``. ``priority`` defaults to the tenant's class."""
         t_idx = self.tenants.index(tenant)
+        if priority is not None and (not isinstance(priority, str) or priority not in PRIORITY_CLASSES):
+            raise BadRequest(f"priority must be one of {PRIORITY_CLASSES} or None (the tenant's), got {priority!r}")
         rank = priority_rank(priority or self.tenants.by_index(t_idx).priority)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
         with self._lock:
             req = ActiveRequest(next(self._requests), tenant, rank, time.monotonic())
             for k in keys:
@@ -527,6 +596,8 @@ class ChunkStore(CacheHooks):
 
     def end(self, request: ActiveRequest) -> None:
         """The request finished (or gave up): its chunks may be evicted again."""
+        if not isinstance(request, ActiveRequest):
+            raise BadRequest(f"end takes the request begin() returned, got {type(request).__name__}")
         with self._lock:
             if self._active.pop(request.id, None) is not None:
                 for n in request.nodes:
@@ -600,13 +671,20 @@ class ChunkStore(CacheHooks):
         """Each chunk copied out and verified, or None. ``touch`` tells the policy they were used
         (a request-level caller that reports the whole request once passes False)."""
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
-        if outs is not None and len(outs) != len(keys):
-            raise BadRequest(f"get_many got {len(keys)} keys but {len(outs)} output buffers")
+        keys = as_keys(keys)
+        if outs is not None:
+            outs = _as_list("outs", outs)
+            if len(outs) != len(keys):
+                raise BadRequest(f"get_many got {len(keys)} keys but {len(outs)} output buffers")
         dsts = [None if outs is None else as_byte_array(o, writable=True) for o in (outs or keys)]
         result: list[np.ndarray | None] = [None] * len(keys)
         bad = [False] * len(keys)
         with self._lock:
+            for i, dst in enumerate(dsts):  # before anything is leased, moved or counted
+                node = None if dst is None else self._visible(self._cache.index.get(keys[i]), t_idx)
+                if node is not None and dst.shape[0] < self._nbytes[node]:
+                    raise BadRequest(f"output buffer {i} holds {dst.shape[0]} B; the chunk has "
+                                     f"{int(self._nbytes[node])} B: pass buffers of the chunk's size")
             nodes = [self._acquire_for_read(k, t_idx) for k in keys]
             if touch:
                 self._touch([n for n in nodes if n is not None])
@@ -618,10 +696,8 @@ class ChunkStore(CacheHooks):
                 dst = dsts[i]
                 if dst is None:
                     dst = np.empty(src.shape[0], dtype=np.uint8)
-                elif dst.shape[0] < src.shape[0]:
-                    raise BadRequest(f"output buffer {i} holds {dst.shape[0]} B; the chunk has {src.shape[0]} B")
                 else:
-                    dst = dst[: src.shape[0]]
+                    dst = dst[: src.shape[0]]  # sizes were checked above, under the lock
                 if copy_with_checksum(dst, src) == int(self._checksum[node]):
                     result[i] = dst
                 else:
@@ -670,7 +746,7 @@ class ChunkStore(CacheHooks):
 
     def contains_many(self, keys: Sequence[ChunkKey], tenant: str) -> list[bool]:
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
         index = self._cache.index
         with self._lock:
             return [self._visible(index.get(k), t_idx) is not None for k in keys]
@@ -695,7 +771,7 @@ class ChunkStore(CacheHooks):
     def remove_many(self, keys: Sequence[ChunkKey], tenant: str) -> int:
         """Removes the tenant's own chunks (shared ones only by their owner); returns how many."""
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
         n = 0
         with self._lock:
             for k in keys:
@@ -709,7 +785,7 @@ class ChunkStore(CacheHooks):
     def lease(self, keys: Sequence[ChunkKey], tenant: str) -> Lease:
         """Leases the resident chunks among ``keys`` that the tenant can see (a request in flight)."""
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
         nodes, held = [], []
         with self._lock:
             for k in keys:
@@ -724,7 +800,7 @@ class ChunkStore(CacheHooks):
         """Asks the policy to pin these chunks (warm-up); how many it pinned (zoned policies pin up
         to their cap, others none)."""
         t_idx = self.tenants.index(tenant)
-        keys = [as_key(k) for k in keys]
+        keys = as_keys(keys)
         with self._lock:
             return sum(
                 1 for k in keys

@@ -7,6 +7,7 @@ purpose (a public system prompt) is keyed under ``SHARED_SALT`` and stored with 
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 
@@ -18,6 +19,9 @@ SHARED_SALT = b"kvpool/shared"
 UNLIMITED = 2**62
 
 PRIORITY_CLASSES = ("low", "normal", "high")
+# NOTE: the index's rule for names (kvpool.index.base.check_name): a tenant valid in one process
+# is valid in a cluster's index too.
+_TENANT_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +42,23 @@ class Tenant:
     scrub: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not self.id or len(self.id) > 128:
-            raise BadRequest(f"tenant id must be a non-empty string of at most 128 chars, got {self.id!r}")
-        if not isinstance(self.quota_bytes, int) or self.quota_bytes < 0:
+        if not isinstance(self.id, str) or not _TENANT_ID.fullmatch(self.id):
+            raise BadRequest(
+                f"tenant id must be 1-128 characters of letters, digits and _ . : @ -, got {self.id!r}"
+            )
+        if not isinstance(self.salt, bytes):
+            raise BadRequest(
+                f"tenant {self.id!r}: salt must be bytes (b'' for the default), got {type(self.salt).__name__}"
+            )
+        if not isinstance(self.quota_bytes, int) or isinstance(self.quota_bytes, bool) or self.quota_bytes < 0:
             raise BadRequest(f"tenant {self.id!r}: quota_bytes must be an int >= 0, got {self.quota_bytes!r}")
         if self.priority not in PRIORITY_CLASSES:
             raise BadRequest(f"tenant {self.id!r}: priority must be one of {PRIORITY_CLASSES}, got {self.priority!r}")
         for name in ("quota_fraction", "guaranteed_fraction"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and 0 <= v <= 1):
+            if (v is not None or name == "guaranteed_fraction") and not (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+            ):
                 raise BadRequest(f"tenant {self.id!r}: {name} must be a fraction of the pool in [0, 1], got {v!r}")
         if not isinstance(self.scrub, bool):
             raise BadRequest(f"tenant {self.id!r}: scrub must be true or false, got {self.scrub!r}")
@@ -74,6 +86,8 @@ class TenantRegistry:
 
     def add(self, tenant: Tenant) -> int:
         """Registers (or updates the quota and priority of) a tenant; returns its index."""
+        if not isinstance(tenant, Tenant):
+            raise BadRequest(f"TenantRegistry.add takes a Tenant, got {type(tenant).__name__}: wrap ids as Tenant(id)")
         with self._lock:
             idx = self._by_id.get(tenant.id)
             if idx is not None:
@@ -92,8 +106,13 @@ class TenantRegistry:
             return idx
 
     def index(self, tenant_id: str) -> int:
-        idx = self._by_id.get(tenant_id)
+        try:
+            idx = self._by_id.get(tenant_id)
+        except TypeError:  # unhashable
+            idx = None
         if idx is None:
+            if not isinstance(tenant_id, str):
+                raise BadRequest(f"a tenant id is a string, got {type(tenant_id).__name__}")
             raise UnknownTenant(tenant_id)
         return idx
 

@@ -17,6 +17,7 @@ Rules of the contract:
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 import time
@@ -27,15 +28,16 @@ from dataclasses import dataclass
 import msgpack
 
 from kvpool.errors import BadRequest
-from kvpool.keys import ChunkKey, as_key
+from kvpool.keys import ChunkKey, as_key, as_keys
 from kvpool.tenants import PRIORITY_CLASSES, UNLIMITED
 
 MAX_LOOKUP = 2048  # keys answered in one round trip
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+_EVENT_ID = re.compile(r"^[0-9]{1,19}(-[0-9]{1,19})?$")  # Redis stream ids: two 64-bit parts
 
 
 def check_name(kind: str, value: object) -> str:
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):  # NOTE: match() lets "a\n" through
         raise BadRequest(
             f"{kind} {value!r} is not a valid name: 1-128 characters of letters, digits and _ . : @ -"
         )
@@ -64,6 +66,9 @@ class IndexEntry:
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not lo <= v < hi:
                 raise BadRequest(f"entry {name} must be an int in [{lo}, {hi}), got {v!r}")
             object.__setattr__(self, name, int(v))  # numpy ints become plain ints
+        c = self.created
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
+            raise BadRequest(f"entry created must be a Unix time in seconds >= 0 (0: now), got {c!r}")
 
     # Wire form: shard \\0 tier \\0 msgpack([nbytes, tenant, checksum, created]). A lookup reads the
     # location without decoding the rest; Redis's Lua reads the rest with cmsgpack.
@@ -73,9 +78,19 @@ class IndexEntry:
 
     @classmethod
     def decode(cls, key: ChunkKey, raw: bytes) -> "IndexEntry":
-        shard, tier, rest = raw.split(b"\0", 2)
-        nbytes, tenant, checksum, created = msgpack.unpackb(rest)
-        return cls(key, shard.decode(), tier.decode(), nbytes, tenant, checksum, created)
+        """The entry from its wire form; a BadRequest when the bytes are not one (corrupt, or
+        written by something else)."""
+        try:
+            shard, tier, rest = raw.split(b"\0", 2)
+            nbytes, tenant, checksum, created = msgpack.unpackb(rest)
+            return cls(key, shard.decode(), tier.decode(), nbytes, tenant, checksum, created)
+        except (ValueError, TypeError, msgpack.UnpackException) as e:  # UnicodeDecodeError is a ValueError
+            if isinstance(e, BadRequest):
+                raise BadRequest(f"malformed index entry for key {key}: {e.message}") from None
+            raise BadRequest(
+                f"malformed index entry for key {key}: {type(e).__name__}: expected shard \\0 tier \\0 "
+                "msgpack([nbytes, tenant, checksum, created]); remove it and let its shard republish it"
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +130,52 @@ class ReconcileResult:
 
 
 def check_keys(keys: Sequence[object]) -> list[ChunkKey]:
-    if all(type(k) is ChunkKey for k in keys):  # the common case, without a call per key
+    if type(keys) is list and all(type(k) is ChunkKey for k in keys):  # the common case, without a call per key
         return list(keys)
-    return [as_key(k) for k in keys]
+    return as_keys(keys)
+
+
+def check_lookup_keys(keys: object) -> list[ChunkKey]:
+    """The first MAX_LOOKUP keys of a lookup, checked."""
+    if isinstance(keys, (list, tuple)) and len(keys) > MAX_LOOKUP:
+        keys = keys[:MAX_LOOKUP]
+    return check_keys(keys)[:MAX_LOOKUP]
+
+
+def check_entries(entries: object) -> list["IndexEntry"]:
+    if not isinstance(entries, (list, tuple)):
+        raise BadRequest(f"publish takes a list of IndexEntry objects, got {type(entries).__name__}")
+    for e in entries:
+        if not isinstance(e, IndexEntry):
+            raise BadRequest(f"publish takes IndexEntry objects, got {type(e).__name__}")
+    return list(entries)
+
+
+def check_ttl(ttl_s: object) -> float:
+    if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not (math.isfinite(ttl_s) and ttl_s >= 0):
+        raise BadRequest(f"ttl_s must be a finite number of seconds >= 0, got {ttl_s!r}")
+    return float(ttl_s)
+
+
+def check_max_events(max_events: object) -> int:
+    if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 1:
+        raise BadRequest(f"max_events must be an int >= 1 (events the stream keeps), got {max_events!r}")
+    return max_events
+
+
+def check_address(address: object) -> str:
+    if not isinstance(address, str):
+        raise BadRequest(f"a shard's address is a string ('' for none), got {type(address).__name__}")
+    return address
+
+
+def check_event_query(after: object, count: object) -> tuple[str, int]:
+    """An event id (``n`` or ``n-m``, each part below 2**64) and a count >= 1."""
+    if not isinstance(after, str) or not _EVENT_ID.fullmatch(after) or any(int(x) >= 2**64 for x in after.split("-")):
+        raise BadRequest(f"event id {after!r} is malformed: pass an id from a previous event, or '0-0'")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise BadRequest(f"count must be an int >= 1 (events per call), got {count!r}")
+    return after, count
 
 
 def check_quota(quota: object) -> int:
@@ -203,6 +261,8 @@ class Index(ABC):
     def reconcile(self, shard: str, held: Sequence[IndexEntry]) -> ReconcileResult:
         """Makes the index say exactly what ``shard`` holds: publishes what is missing, removes
         what it no longer has. Idempotent."""
+        check_name("shard id", shard)
+        held = check_entries(held)
         for e in held:
             if e.shard != shard:
                 raise BadRequest(f"reconcile of shard {shard!r} got an entry of shard {e.shard!r}")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit, urlunsplit
@@ -22,12 +23,12 @@ from redis.retry import Retry
 
 from kvpool.errors import BadRequest, QuotaExceeded, Unavailable, UnknownTenant
 from kvpool.index.base import (
-    MAX_LOOKUP, MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_keys, check_name, check_priority,
-    check_quota,
+    MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_address, check_entries, check_event_query,
+    check_keys, check_lookup_keys, check_max_events, check_name, check_priority, check_quota, check_ttl,
 )
 from kvpool.index.redis_keys import Keys
 from kvpool.index.redis_lua import PUBLISH, REMOVE
-from kvpool.keys import ChunkKey
+from kvpool.keys import KEY_BYTES, ChunkKey
 from kvpool.tenants import UNLIMITED
 
 log = logging.getLogger("kvpool.index")
@@ -39,27 +40,36 @@ def redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    userinfo, _, hostport = parts.netloc.rpartition("@")  # NOTE: not .port, which raises on a bad port
+    netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 class RedisIndex(Index):
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvp", timeout_s: float = 1.0,
                  read_timeout_s: float = 0.25, backoff_s: float = 0.5, max_events: int = 100_000) -> None:
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise BadRequest(f"index URL {redact(url)!r} must start with redis://, rediss:// or unix://")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            shown = redact(url) if isinstance(url, str) else url
+            raise BadRequest(f"index URL {shown!r} must start with redis://, rediss:// or unix://")
         check_name("index prefix", prefix)
+        for name, v in (("timeout_s", timeout_s), ("read_timeout_s", read_timeout_s), ("backoff_s", backoff_s)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+                raise BadRequest(f"{name} must be a finite number of seconds > 0, got {v!r}")
         self.url = redact(url)
         self.keys = Keys(prefix)
         self._prefix = prefix
-        self._maxlen = str(max_events)
+        self._maxlen = str(check_max_events(max_events))
         retry = Retry(ExponentialBackoff(cap=timeout_s, base=0.05), retries=3)
-        self._w = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       retry=retry, retry_on_error=list(_ERRORS))
-        self._r = redis.Redis.from_url(url, socket_timeout=read_timeout_s, socket_connect_timeout=read_timeout_s,
-                                       retry=Retry(ExponentialBackoff(), retries=0))
+        try:
+            self._w = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry=retry, retry_on_error=list(_ERRORS))
+            self._r = redis.Redis.from_url(url, socket_timeout=read_timeout_s,
+                                           socket_connect_timeout=read_timeout_s,
+                                           retry=Retry(ExponentialBackoff(), retries=0))
+        except ValueError as e:  # a port or db that is not a number, and the like
+            raise BadRequest(
+                f"index URL {self.url!r} is malformed ({e}): use redis://[user:password@]host:port/db"
+            ) from None
         self._publish = self._w.register_script(PUBLISH)
         self._remove = self._w.register_script(REMOVE)
         self._backoff = backoff_s
@@ -108,11 +118,13 @@ class RedisIndex(Index):
             raise UnknownTenant(tenant)
 
     def set_quota(self, tenant: str, quota: int) -> None:
+        check_name("tenant", tenant)
         quota = check_quota(quota)
         self._require_tenant(tenant)
         self._write("set_quota", self._w.hset, self.keys.tenant(tenant), "quota", quota)
 
     def set_priority(self, tenant: str, priority: str) -> None:
+        check_name("tenant", tenant)
         priority = check_priority(priority)
         self._require_tenant(tenant)
         self._write("set_priority", self._w.hset, self.keys.tenant(tenant), "priority", priority)
@@ -128,13 +140,11 @@ class RedisIndex(Index):
 
     # ---------------------------------------------------------------- chunks
     def publish(self, entries: Sequence[IndexEntry]) -> list[bool]:
-        entries = list(entries)
+        entries = check_entries(entries)
         if not entries:
             return []
         argv: list[object] = [self._prefix, self._maxlen]
         for e in entries:
-            if not isinstance(e, IndexEntry):
-                raise BadRequest(f"publish takes IndexEntry objects, got {type(e).__name__}")
             argv += [bytes(e.key), e.encode(), e.tenant, e.nbytes, e.shard]
         res = self._write("publish", self._publish, args=argv)
         code = int(res[0])
@@ -148,6 +158,8 @@ class RedisIndex(Index):
 
     def remove(self, keys: Sequence[ChunkKey], shard: str | None = None) -> int:
         keys = check_keys(keys)
+        if shard is not None:
+            check_name("shard id", shard)
         if not keys:
             return 0
         argv = [self._prefix, self._maxlen, shard or "", *(bytes(k) for k in keys)]
@@ -155,7 +167,7 @@ class RedisIndex(Index):
 
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
         try:
-            keys = check_keys(keys[:MAX_LOOKUP] if len(keys) > MAX_LOOKUP else keys)
+            keys = check_lookup_keys(keys)
         except BadRequest as e:
             return PrefixHit(0, error=str(e))
         if not keys:
@@ -169,25 +181,43 @@ class RedisIndex(Index):
         for v in raw:
             if v is None:
                 break
-            s, t, _ = v.split(b"\0", 2)
-            shards.append(names.get(s) or names.setdefault(s, s.decode()))
-            tiers.append(names.get(t) or names.setdefault(t, t.decode()))
+            parts = v.split(b"\0", 2)
+            if len(parts) != 3:
+                break  # a malformed entry is a miss (get() says why)
+            s, t = parts[0], parts[1]
+            shard, tier = names.get(s), names.get(t)
+            if shard is None or tier is None:
+                try:
+                    shard, tier = names.setdefault(s, s.decode()), names.setdefault(t, t.decode())
+                except UnicodeDecodeError:
+                    break
+            shards.append(shard)
+            tiers.append(tier)
         return PrefixHit(len(shards), tuple(shards), tuple(tiers)) if shards else MISS
 
     def get(self, key: ChunkKey) -> IndexEntry | None:
         (key,) = check_keys([key])
         raw, _ = self._read(self._r.get, self.keys.chunk(key))
-        return None if raw is None else IndexEntry.decode(key, raw)
+        if raw is None:
+            return None
+        try:
+            return IndexEntry.decode(key, raw)
+        except BadRequest as e:  # a read never raises: a corrupt entry is a miss
+            log.warning("index at %s: %s", self.url, e.message)
+            return None
 
     # ---------------------------------------------------------------- membership
     def register_shard(self, shard: str, address: str = "", ttl_s: float = 10.0) -> None:
         check_name("shard id", shard)
+        address, ttl_s = check_address(address), check_ttl(ttl_s)
         pipe = self._w.pipeline(transaction=True)
         pipe.hset(self.keys.shards, shard, address)
         pipe.set(self.keys.heartbeat(shard), 1, px=max(1, int(ttl_s * 1000)))
         self._write("register_shard", pipe.execute)
 
     def heartbeat(self, shard: str, ttl_s: float = 10.0) -> None:
+        check_name("shard id", shard)
+        ttl_s = check_ttl(ttl_s)
         if not self._write("heartbeat", self._w.hexists, self.keys.shards, shard):
             raise BadRequest(f"unknown shard {shard!r}: register it first")
         self._write("heartbeat", self._w.set, self.keys.heartbeat(shard), 1, px=max(1, int(ttl_s * 1000)))
@@ -218,12 +248,13 @@ class RedisIndex(Index):
         return out
 
     def shard_keys(self, shard: str) -> set[ChunkKey]:
-        return {ChunkKey(k) for k in self._write("shard_keys", self._w.smembers, self.keys.shard_set(shard))}
+        check_name("shard id", shard)
+        members = self._write("shard_keys", self._w.smembers, self.keys.shard_set(shard))
+        return {ChunkKey(k) for k in members if len(k) == KEY_BYTES}  # NOTE: anything else is not a chunk key
 
     # ---------------------------------------------------------------- events
     def events(self, after: str = "0-0", count: int = 1000) -> list[Event]:
-        if not isinstance(after, str) or not after.replace("-", "").isdigit():
-            raise BadRequest(f"event id {after!r} is malformed: pass an id from a previous event, or '0-0'")
+        after, count = check_event_query(after, count)
         rows = self._write("events", self._w.xrange, self.keys.events, min=f"({after}", count=count)
         out = []
         for eid, f in rows:

@@ -47,24 +47,38 @@ return out
 """
 
 # ARGV: prefix, events maxlen, shard filter ('' for any), then chunk keys. Returns how many went.
+# NOTE: a malformed value (not shard \0 tier \0 msgpack([nbytes, tenant, ...])) must not stop the
+# script halfway (Redis keeps what a failed script already wrote): it is removed, whatever the
+# filter when its shard cannot be read, and refunds nothing, since what it charged is unknown.
 REMOVE = r"""
 local p = ARGV[1]
 local maxlen = ARGV[2]
 local only = ARGV[3]
 local removed = 0
+local function parse(v)
+  local a = string.find(v, '\0', 1, true)
+  if not a then return nil end
+  local shard = string.sub(v, 1, a - 1)
+  local b = string.find(v, '\0', a + 1, true)
+  if not b then return shard end
+  local ok, rest = pcall(cmsgpack.unpack, string.sub(v, b + 1))
+  if not ok or type(rest) ~= 'table' or type(rest[1]) ~= 'number' or type(rest[2]) ~= 'string'
+     or rest[1] ~= math.floor(rest[1]) or rest[1] < 1 or rest[1] >= 1099511627776 then
+    return shard
+  end
+  return shard, rest[1], rest[2]
+end
 for i = 4, #ARGV do
   local k = ARGV[i]
   local v = redis.call('GET', p .. ':c:' .. k)
   if v then
-    local a = string.find(v, '\0', 1, true)
-    local shard = string.sub(v, 1, a - 1)
-    if only == '' or only == shard then
-      local b = string.find(v, '\0', a + 1, true)
-      local rest = cmsgpack.unpack(string.sub(v, b + 1))
-      local nb, tenant = rest[1], rest[2]
+    local shard, nb, tenant = parse(v)
+    if shard == nil or only == '' or only == shard then
       redis.call('DEL', p .. ':c:' .. k)
-      redis.call('SREM', p .. ':s:' .. shard, k)
-      if redis.call('EXISTS', p .. ':t:' .. tenant) == 1 then
+      if shard ~= nil then redis.call('SREM', p .. ':s:' .. shard, k) end
+      if tenant == nil then
+        shard, tenant = shard or '', ''
+      elseif redis.call('EXISTS', p .. ':t:' .. tenant) == 1 then
         redis.call('HINCRBY', p .. ':t:' .. tenant, 'usage', -nb)
       end
       redis.call('XADD', p .. ':events', 'MAXLEN', '~', maxlen, '*',
