@@ -69,13 +69,14 @@ class HFConnector:
         self._layers = self.spec.num_layers
 
     # ---------------------------------------------------------------- cache <-> chunks
-    def _cache_from_chunks(self, chunks: list[torch.Tensor]):
+    def _cache_from_chunks(self, chunks: list[torch.Tensor], tokens: int):
+        """A DynamicCache holding the first ``tokens`` tokens of the chunks."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         if not chunks:
             return cache
-        kv = torch.cat(chunks, dim=2)  # [layers, 2, tokens, heads, dim]
+        kv = torch.cat(chunks, dim=2)[:, :, :tokens]  # [layers, 2, tokens, heads, dim]
         device = next(self.model.parameters()).device
         for layer in range(self._layers):
             k = kv[layer, 0].permute(1, 0, 2).unsqueeze(0).to(device)  # [1, heads, tokens, dim]
@@ -112,17 +113,20 @@ class HFConnector:
         request = None
         loaded: list[torch.Tensor] = []
         if use_pool and keys:
-            usable = min(self.pool.lookup(tenant, keys), ((n - 1) // c) * c)
-            if usable and self.breakeven.should_load(usable, usable // c * self.spec.chunk_nbytes):
+            # NOTE: the KV of a token depends only on the tokens before it, so a cached chunk
+            # holding the prompt's last token is loaded too and cut just before that token: on a
+            # full hit only the last token is computed (it needs logits), not its whole chunk.
+            usable = min(self.pool.lookup(tenant, keys), n - 1)
+            if usable and self.breakeven.should_load(usable, -(-usable // c) * self.spec.chunk_nbytes):
                 request = self.pool.begin(tenant, keys)
                 t1 = time.perf_counter()
-                loaded = self.pool.load(tenant, keys[: usable // c])  # a miss on the way shortens the run
+                loaded = self.pool.load(tenant, keys[: -(-usable // c)])  # a miss on the way shortens the run
                 if loaded:
                     self.breakeven.observe_load(len(loaded) * self.spec.chunk_nbytes, time.perf_counter() - t1)
                 timings["load_s"] = time.perf_counter() - t1
         try:
-            hit = len(loaded) * c
-            cache = self._cache_from_chunks(loaded)
+            hit = min(len(loaded) * c, n - 1)
+            cache = self._cache_from_chunks(loaded, hit)
             t2 = time.perf_counter()
             out = self.model(input_ids=ids[:, hit:].to(next(self.model.parameters()).device), use_cache=True,
                              **{self._arg: cache})

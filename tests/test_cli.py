@@ -62,6 +62,6 @@ def test_cli_usage_errors_exit_nonzero():
 def test_bench_ttft_hf_loads_the_prefix_and_keeps_the_output():
     (row,) = json.loads(kvpool("bench", "ttft", "--engine", "hf", "--context", "1024", "--json").stdout)
     assert row["engine"] == "hf" and row["context"] == 1024
-    assert row["loaded_tokens"] == 768  # 4 chunks: 3 loaded, the last one computed for its logits
+    assert row["loaded_tokens"] == 1023  # 4 chunks loaded, cut before the last token (computed for logits)
     assert row["same_output"] is True
     assert row["warm_ttft_s"] < row["cold_ttft_s"]

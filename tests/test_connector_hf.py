@@ -72,7 +72,9 @@ def test_a_full_hit_still_computes_the_last_token(model, conn):
     ids = prompt(3 * CHUNK, seed=11)
     conn.prefill(ids)
     warm = conn.prefill(ids)
-    assert warm.loaded_tokens == 2 * CHUNK  # the last chunk is recomputed: its last token needs logits
+    # All three chunks load, cut before the last token: only that token is computed (for logits).
+    assert warm.loaded_tokens == 3 * CHUNK - 1 and warm.logits.shape[1] == 1 and warm.saved_chunks == 0
+    assert torch.equal(warm.logits, suffix_on_computed_kv(model, ids, 3 * CHUNK - 1))
     assert close(warm.logits[0, -1], model(input_ids=ids).logits[0, -1])
 
 
