@@ -165,3 +165,27 @@ def own_redis(tmp_path):
     r = OwnRedis(tmp_path)
     yield r
     r.kill()
+
+
+def scrape_metrics(want: list[str], timeout_s: float = 45) -> str:
+    """The Prometheus text of every alive Ray node, once it holds every string of ``want`` (or
+    what it holds after ``timeout_s``): Ray exports metrics every few seconds."""
+    import time
+    import urllib.request
+
+    import ray
+
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        text = ""
+        for port in ports:
+            try:
+                text += urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                pass
+        if all(w in text for w in want):
+            break
+        time.sleep(1)
+    return text
+

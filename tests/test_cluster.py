@@ -16,7 +16,7 @@ from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import CONTROLLER
 from kvpool.cluster.ring import HashRing
-from conftest import make_keys, payload
+from conftest import make_keys, payload, scrape_metrics
 
 PAGE = 4096
 TIMEOUT = 2.0
@@ -146,8 +146,6 @@ def test_adding_a_node_moves_about_a_quarter_of_placements_and_old_data_still_hi
 
 
 def test_metrics_reach_the_prometheus_endpoint_with_their_labels(cluster, client):
-    import urllib.request
-
     keys = make_keys(5, seed=8)
     client.put("a", keys, [truth(i) for i in range(5)])
     client.get("a", keys)
@@ -157,19 +155,7 @@ def test_metrics_reach_the_prometheus_endpoint_with_their_labels(cluster, client
 
     for sid in shards:
         ray.get(ray.get_actor(shard_name("default", sid)).export_metrics.remote(), timeout=10)
-    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
-    deadline = time.monotonic() + 40
-    text = ""
-    while time.monotonic() < deadline:
-        text = ""
-        for port in ports:
-            try:
-                text += urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-            except OSError:
-                pass
-        if "ray_kvpool_puts_total" in text and "ray_kvpool_hits_chunks_total" in text:
-            break
-        time.sleep(1)
+    text = scrape_metrics(["ray_kvpool_puts_total", "ray_kvpool_hits_chunks_total"], timeout_s=40)
     assert "ray_kvpool_puts_total" in text
     line = next(l for l in text.splitlines() if l.startswith("ray_kvpool_hits_chunks_total"))
     assert 'tenant="a"' in line and 'shard="node-' in line

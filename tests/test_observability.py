@@ -4,14 +4,10 @@ the dashboard's state API lists the pool's actors."""
 
 from __future__ import annotations
 
-import os
-import time
-import urllib.request
-
 import pytest
 import ray
 
-from conftest import free_port, make_keys, payload
+from conftest import free_port, make_keys, payload, scrape_metrics
 
 PAGE = 4096
 
@@ -34,22 +30,6 @@ def pool():
         ray.shutdown()
 
 
-def scrape(want: list[str], timeout_s: float = 45) -> str:
-    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
-    deadline, text = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        text = ""
-        for port in ports:
-            try:
-                text += urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-            except OSError:
-                pass
-        if all(w in text for w in want):
-            break
-        time.sleep(1)
-    return text
-
-
 def series(text: str, name: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(name + "{")]
 
@@ -62,7 +42,7 @@ def test_kvpool_metrics_reach_the_endpoint_with_shard_tier_and_tenant_labels(poo
     # 40 more chunks than the 32 pages hold: evictions
     flood = make_keys(40, seed=3)
     pool.put("b", flood, [payload(i, PAGE) for i in range(40)])
-    text = scrape(["ray_kvpool_hits_chunks_total", "ray_kvpool_evictions_total", "ray_kvpool_tenant_bytes",
+    text = scrape_metrics(["ray_kvpool_hits_chunks_total", "ray_kvpool_evictions_total", "ray_kvpool_tenant_bytes",
                    'tenant="b"', "ray_kvpool_get_latency_ms_bucket"])
     hits = series(text, "ray_kvpool_hits_chunks_total")
     assert any('tenant="a"' in s for s in hits) and any('tenant="b"' in s for s in hits)
