@@ -37,6 +37,7 @@ class Controller:
         self.passes = 0
         self.errors = 0
         self._missing: dict[str, int] = {}  # passes a shard has been absent from the index
+        self._reports: dict[str, dict] = {}
         self._loop = threading.Thread(target=self._run, daemon=True, name="kvpool-controller")
         self._loop.start()
         log.info("controller: started on node %s", ray.get_runtime_context().get_node_id()[:12])
@@ -87,6 +88,16 @@ class Controller:
         with self._changed:
             self._changed.wait_for(lambda: self.ring.version != version, timeout=timeout_s)
         return self.state()
+
+    def report(self, name: str, figures: dict) -> None:
+        """An engine connector's measured figures (load bandwidth, prefill cost, break-even),
+        shown by `kvpool stats`; the latest per connector."""
+        import time
+
+        self._reports[name] = {**figures, "reported_at": time.time()}
+
+    def reports(self) -> dict:
+        return dict(self._reports)
 
     def health(self) -> dict:
         return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),

@@ -103,6 +103,10 @@ def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:
             out["shards"][sid] = ray.get(h.stats.remote(), timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead shard is reported, not fatal
             out["shards"][sid] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        out["engines"] = ray.get(controller.reports.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - an older controller without reports
+        out["engines"] = {}
     live = [s for s in out["shards"].values() if "error" not in s]
     health = figures_from_stats(live)
     out["health"] = [{"figure": v.figure, "value": v.value, "low": v.low, "high": v.high, "ok": v.ok}
@@ -129,6 +133,14 @@ def format_stats(st: dict) -> str:
         tenants = ", ".join(f"{k} {v['bytes'] / 2**20:.1f} MiB" for k, v in s["tenants"].items() if v["bytes"])
         if tenants:
             lines.append(f"{'':<20}tenants: {tenants}")
+    if st.get("engines"):
+        lines += ["", "engines (measured by their connectors: load or recompute):"]
+        for name, e in sorted(st["engines"].items()):
+            adv = e.get("load_advantage")
+            lines.append(f"  {name}: loads {e['load_gbps'] or 0:.2f} GB/s, prefill {e['prefill_ms_per_token'] or 0:.3f} "
+                         f"ms/token, loading a token {adv:.0f}x cheaper than computing it" if adv else
+                         f"  {name}: not measured yet")
+            lines.append(f"    {e['loads']} loads, {e['recomputes']} recomputes")
     if st.get("health_lines"):
         lines += ["", "health (over each shard's life so far):", *("  " + h for h in st["health_lines"])]
         if not st["healthy"]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.errors import BadRequest, UnknownTenant
+from kvpool.errors import BadRequest, LayoutMismatch, UnknownTenant
 from kvpool.keys import ChunkKey, Namespace, chunk_keys
 from kvpool.pool import torch_dtype
 from kvpool.spec import KVSpec
@@ -19,6 +19,12 @@ from kvpool.tenants import SHARED_SALT, Tenant
 
 class ClusterPool:
     def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
+        pages = [info.get("page_bytes", 0) for info in client.shards.values()]
+        if spec.storage_format == "raw" and pages and spec.chunk_nbytes > min(pages):
+            raise LayoutMismatch(
+                f"a chunk of {spec.model_id} takes {spec.chunk_nbytes} B but the pool's pages hold {min(pages)} B: "
+                f"start the pool with a page size >= {spec.chunk_nbytes} (kvpool up --page-size) or use smaller chunks"
+            )
         self.spec = spec
         self.client = client
         self._salts = {t.id: t.salt for t in tenants}
@@ -48,6 +54,11 @@ class ClusterPool:
 
     def end(self, request) -> None:
         self.client.end(request)
+
+    def report(self, name: str, figures: dict) -> None:
+        """Publishes a connector's measured figures to the controller (fire and forget), where
+        `kvpool stats` shows them."""
+        self.client.controller.report.remote(name, figures)
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Pins the leading run of cached chunks (warm-up), within each shard's pinned cap."""

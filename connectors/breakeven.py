@@ -68,8 +68,27 @@ class BreakEven:
         per_token_load = bytes_per_token / bps * self.margin
         return 0 if per_token_load < cost else 2**31
 
-    def stats(self) -> dict:
+    def stats(self, bytes_per_token: int | None = None) -> dict:
         bps, cost = self.load_bps.value, self.prefill_s_per_token.value
-        return {"load_gbps": None if bps is None else bps / 1e9,
-                "prefill_ms_per_token": None if cost is None else cost * 1e3,
-                "loads": self.loaded, "recomputes": self.recomputed}
+        out = {"load_gbps": None if bps is None else bps / 1e9,
+               "prefill_ms_per_token": None if cost is None else cost * 1e3,
+               "loads": self.loaded, "recomputes": self.recomputed}
+        if bytes_per_token and bps and cost:
+            # how many times faster loading a token is than computing it (> 1: load every prefix)
+            out["load_advantage"] = cost / (bytes_per_token / bps * self.margin)
+        return out
+
+    def maybe_report(self, pool, name: str, bytes_per_token: int, every_s: float = 5.0) -> None:
+        """Sends the figures to a pool that shows them (a Ray pool: `kvpool stats`), at most
+        every ``every_s`` seconds."""
+        import time
+
+        report = getattr(pool, "report", None)
+        now = time.monotonic()
+        if report is None or now - getattr(self, "_reported", -1e9) < every_s:
+            return
+        self._reported = now
+        try:
+            report(name, self.stats(bytes_per_token))
+        except Exception:  # noqa: BLE001 - figures are best effort, never a failed request
+            pass

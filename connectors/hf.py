@@ -132,6 +132,8 @@ class HFConnector:
                              **{self._arg: cache})
             timings["prefill_s"] = time.perf_counter() - t2
             self.breakeven.observe_prefill(n - hit, timings["prefill_s"])
+            self.breakeven.maybe_report(self.pool, f"transformers {self.spec.model_id} pid {_pid()}",
+                                        self.spec.chunk_nbytes // self.spec.chunk_tokens)
             if cache.get_seq_length() != n:
                 raise RuntimeError(f"the model did not fill the cache it was given ({cache.get_seq_length()} of {n} "
                                    f"tokens): its forward ignored `{self._arg}=`; this transformers version is not "
@@ -160,6 +162,12 @@ class HFConnector:
             out = self.model(input_ids=torch.tensor([[nxt]], device=device), use_cache=True, **{self._arg: cache})
             nxt = int(out.logits[0, -1].argmax())
         return tokens, first
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
 
 
 def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ hooks are no-ops; a GPU build would stream layers through them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -269,6 +270,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self.breakeven.observe_load(nbytes, s)
         for tokens, s in wm.prefill_samples:
             self.breakeven.observe_prefill(tokens, s)
+        if wm.load_samples or wm.prefill_samples:
+            self.breakeven.maybe_report(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.bytes_per_token)
         for k, v in wm.counters.items():
             self._count(k, v)
 

@@ -4,6 +4,8 @@ the dashboard's state API lists the pool's actors."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -59,3 +61,35 @@ def test_the_dashboard_lists_the_pool_actors(pool):
     names = {a.name for a in list_actors(filters=[("state", "=", "ALIVE")], timeout=30)}
     assert any(n.startswith("kvpool-shard-default-node-") for n in names)
     assert "kvpool-controller" in names
+
+
+def test_connectors_report_their_break_even_to_kvpool_stats(pool):
+    import torch
+
+    from kvpool.cluster.controller import CONTROLLER
+    from kvpool.cluster.ops import format_stats
+    from kvpool.cluster.pool import ClusterPool
+    from kvpool.connectors.hf import HFConnector, model_spec, tiny_llama
+    from kvpool.tenants import Tenant
+
+    from kvpool.errors import LayoutMismatch
+
+    with pytest.raises(LayoutMismatch, match="page size >= 65536"):  # 64 KiB chunks, 4 KiB pages
+        ClusterPool(model_spec(tiny_llama(0), model_id="obs/big", chunk_tokens=32), pool, [Tenant("a")])
+    model = tiny_llama(0, layers=1, hidden=64, heads=2, kv_heads=1)
+    spec = model_spec(model, model_id="obs/tiny", chunk_tokens=16)
+    assert spec.chunk_nbytes == PAGE
+    conn = HFConnector(model, ClusterPool(spec, pool, [Tenant("a")]), tenant="a")
+    ids = torch.randint(0, 1024, (1, 4 * 16 + 1), generator=torch.Generator().manual_seed(0))
+    assert conn.prefill(ids).saved_chunks == 4  # computes and saves
+    assert conn.prefill(ids).loaded_tokens == 4 * 16  # loads: both sides are measured now
+    conn.breakeven.maybe_report(conn.pool, "transformers obs", spec.chunk_nbytes // 16, every_s=0)
+    controller = ray.get_actor(CONTROLLER, namespace="kvpool-obs")
+    deadline = time.monotonic() + 10
+    while "transformers obs" not in ray.get(controller.reports.remote()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the report is fire and forget
+    figures = ray.get(controller.reports.remote())["transformers obs"]
+    assert figures["load_gbps"] > 0 and figures["prefill_ms_per_token"] > 0 and figures["loads"] >= 1
+    assert figures["load_advantage"] > 1  # loading a token of this model beats computing it
+    text = format_stats({"ring_version": 1, "shards": {}, "engines": {"transformers obs": figures}})
+    assert "transformers obs: loads" in text and "cheaper than computing it" in text
