@@ -58,7 +58,8 @@ def test_kvpool_metrics_reach_the_endpoint_with_shard_tier_and_tenant_labels(poo
 def test_the_dashboard_lists_the_pool_actors(pool):
     from ray.util.state import list_actors
 
-    names = {a.name for a in list_actors(filters=[("state", "=", "ALIVE")], timeout=30)}
+    address = ray.get_runtime_context().gcs_address  # this test's Ray, whatever else runs here
+    names = {a.name for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], timeout=30)}
     assert any(n.startswith("kvpool-shard-default-node-") for n in names)
     assert "kvpool-controller" in names
 
