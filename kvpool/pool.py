@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -17,7 +17,7 @@ from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.keys import ChunkKey, Namespace, as_keys, chunk_keys
 from kvpool.policies import Access
 from kvpool.spec import KVSpec
-from kvpool.store import ActiveRequest, ChunkStore, Lease, StoreConfig
+from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
 from kvpool.tenants import SHARED_SALT, TenantRegistry
 
 _TORCH_DTYPES = {
@@ -31,6 +31,32 @@ _TORCH_DTYPES = {
 
 def torch_dtype(spec: KVSpec) -> torch.dtype:
     return _TORCH_DTYPES[spec.dtype]
+
+
+class KVView:
+    """One verified chunk seen in place: ``kv`` is the chunk as a ``[layers, 2, chunk_tokens,
+    kv_heads, head_dim]`` tensor over the pool's own page (no copy), ``data`` the same bytes as a
+    read-only uint8 array. Leased (never evicted or moved) until ``release``; a context manager.
+    Read it and release it: never write through ``kv``, never use it after the release."""
+
+    __slots__ = ("_view", "kv")
+
+    def __init__(self, view: ChunkView, kv: torch.Tensor) -> None:
+        self._view = view
+        self.kv = kv
+
+    @property
+    def data(self):
+        return self._view.data
+
+    def release(self) -> None:
+        self._view.release()
+
+    def __enter__(self) -> "KVView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class LocalPool:
@@ -155,6 +181,59 @@ class LocalPool:
         if len(keys) > len(out):
             m.misses_tokens.inc((len(keys) - len(out)) * self.spec.chunk_tokens, tenant)
         return out
+
+    def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator[KVView]:
+        """:meth:`load` without the copy: the same leading run of resident chunks that verify, each
+        as a :class:`KVView` over the pool's own page, for a caller that copies the bytes into
+        memory of its own anyway (an engine's paged cache).
+
+        The iterator reads lazily: a chunk is leased and verified in place (its xxh3-64 checksum,
+        as every read) when the iterator reaches it. Every view it yields is the caller's to
+        release, right after use (and on errors: ``with view: ...``); closing the iterator early
+        reads no further chunk. A miss, a chunk of another size or one that fails verification
+        ends the run (a corrupt chunk is dropped and counted, as ``load`` does). Hit tokens are
+        counted per chunk given, miss tokens for the keys from the first miss on; like ``load``,
+        the policy hears of the chunks when the request saves, not here.
+
+        NOTE: a view is verified once, then read in place: the lease keeps it from being moved,
+        evicted or rewritten by the pool, so the bytes the caller copies are the bytes verified;
+        ``load`` verifies its private copy instead, which costs one more pass over the bytes
+        (measured on vLLM's load path: see connectors/vllm_worker.py)."""
+        self.tenants.index(tenant)  # bad input fails here, before anything is read
+        return self._views(tenant, as_keys(keys))
+
+    def _views(self, tenant: str, keys: list[ChunkKey]) -> Iterator[KVView]:
+        m = self.store.metrics
+        ct = self.spec.chunk_tokens
+        for i, key in enumerate(keys):
+            view = self._read_in_place(key, tenant)
+            if view is None:
+                m.misses_tokens.inc((len(keys) - i) * ct, tenant)
+                return
+            m.hits_tokens.inc(ct, tenant)
+            yield view  # the caller owns its lease from here
+
+    def _read_in_place(self, key: ChunkKey, tenant: str) -> KVView | None:
+        """One chunk leased and verified in place (the store's zero-copy read, which does not tell
+        the eviction policy: the request's save reports the whole prefix once), or None on a miss,
+        a chunk of another size or a corrupt one."""
+        view = self.store.read(key, tenant, touch=False)
+        if view is None:
+            return None
+        data = view.data
+        if data.shape[0] != self.spec.chunk_nbytes:  # another size: not a chunk of this spec
+            view.release()
+            return None
+        dtype = torch_dtype(self.spec)
+        if data.ctypes.data % dtype.itemsize:  # a page size that is no multiple of the element's
+            kv = torch.from_numpy(data.copy())  # verified bytes, copied under the lease: aligned
+        else:
+            # NOTE: torch warns on read-only arrays; the tensor is built over a writable alias of
+            # the page, and KVView says read-only (``data`` is).
+            page = data.view()
+            page.flags.writeable = True
+            kv = torch.from_numpy(page)
+        return KVView(view, kv.view(dtype).view(self.spec.chunk_shape))
 
     def warmup(self, tenant: str, prompts: Sequence[tuple[object, Sequence[torch.Tensor]]], *,
                shared: bool = False, pin: bool = True) -> tuple[int, int]:

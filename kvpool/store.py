@@ -713,17 +713,19 @@ class ChunkStore(CacheHooks):
                 self._count_reads(tenant, result)
         return result
 
-    def read(self, key: ChunkKey, tenant: str) -> ChunkView | None:
+    def read(self, key: ChunkKey, tenant: str, *, touch: bool = True) -> ChunkView | None:
         """A verified zero-copy view of the chunk, leased until released; None on a miss.
 
         Use as ``view = store.read(k, t)`` then ``with view: ...``; the bytes must not be used
-        after release.
+        after release. ``touch=False`` keeps the read from the eviction policy (a request that
+        reports its whole prefix once, when it saves).
         """
         t_idx = self.tenants.index(tenant)
         key = as_key(key)
+        touch = _check_flag("touch", touch)
         with self._lock:
             node = self._acquire_for_read(key, t_idx)
-            if node is not None:
+            if node is not None and touch:
                 self._touch([node])
         if node is None:
             with self._lock:

@@ -445,3 +445,30 @@ def test_vector_width_hint_only_claims_what_holds():
     assert _vector_width(2, 64, fp16_strides, 4096, [0, 6]) == 2  # a layer 6 elements away
     assert _vector_width(2, 64, (128, 8, 1, 64, 2), 4096, [0]) == 1  # dims not unit-stride
     assert _vector_width(1, 64, fp16_strides, 4096, [0]) == 16
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_layers_in_one_allocation_and_consecutive_slots_take_the_fast_paths_exactly(variant, consecutive):
+    """vLLM allocates every layer in one buffer at an even spacing and a fresh engine hands out
+    ascending blocks: the reference path's shortcuts for both must equal the Triton kernel."""
+    layers, blocks, bs, heads, dim = 3, 8, 16, 2, 16
+    g = torch.Generator().manual_seed(3)
+    shape = (layers, blocks, heads, bs, 2 * dim) if variant == "cpu" else (layers, blocks, bs, heads, 2 * dim)
+    whole = rand_bits(shape, torch.float32, g)
+
+    def layers_of(buf):  # per-layer views of one buffer, as vLLM hands them over
+        return list(buf.unbind(0)) if variant == "cpu" else [x.permute(0, 2, 1, 3) for x in buf.unbind(0)]
+
+    def clone_cache(_):
+        return layers_of(whole.clone())
+
+    cache = layers_of(whole)
+    slots = torch.arange(2 * bs, 5 * bs + 3) if consecutive else random_slots(blocks * bs, 3 * bs + 3, seed=4)
+    layout = vllm_layout(variant)
+    assert same_bits(gather(cache, slots, layout, impl="torch"), gather(cache, slots, layout, impl="triton"))
+    chunk = rand_bits((layers, 2, slots.shape[0], heads, dim), torch.float32, torch.Generator().manual_seed(5))
+    by_torch, by_triton = clone_cache(cache), clone_cache(cache)
+    scatter(chunk, by_torch, slots, layout, impl="torch")
+    scatter(chunk, by_triton, slots, layout, impl="triton")
+    assert same_bits(by_torch, by_triton) and not same_bits(by_torch, cache)

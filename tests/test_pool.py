@@ -84,3 +84,109 @@ def test_store_pages_too_small_for_the_spec():
     store = ChunkStore(StoreConfig(page_bytes=100, dram_pages=2), TenantRegistry([Tenant("a")]))
     with pytest.raises(LayoutMismatch, match="page_bytes >= spec.chunk_nbytes"):
         LocalPool(SPEC, store)
+
+
+# ---------------------------------------------------------------------------------------------
+# load_views: the leading run verified in place, leased until each view is released
+
+
+def leased_pages(pool):
+    return pool.store.stats()["tiers"]["dram"]["leased_pages"]
+
+
+def test_load_views_gives_the_load_run_in_place_and_leases_until_release():
+    pool = make_pool()
+    keys = pool.keys("a", np.arange(8 * 3))
+    kv = chunks_for(3)
+    pool.save("a", keys, kv)
+    it = pool.load_views("a", keys)
+    assert leased_pages(pool) == 0  # lazy: nothing read before the iterator is advanced
+    first = next(it)
+    assert torch.equal(first.kv, kv[0]) and first.kv.dtype == torch.float32
+    assert not first.data.flags.writeable
+    tier, page = pool.store.locate(keys[0])
+    assert first.kv.data_ptr() == pool.store.slab(tier).page(page).ctypes.data  # the pool's page, no copy
+    assert leased_pages(pool) == 1
+    rest = list(it)
+    assert [torch.equal(v.kv, c) for v, c in zip(rest, kv[1:])] == [True, True]
+    assert leased_pages(pool) == 3  # every view stays leased until its release
+    first.release()
+    for v in rest:
+        with v:
+            pass
+    assert leased_pages(pool) == 0
+    assert pool.store.metrics.hits_tokens.get("a") == 24
+
+
+def test_load_views_stops_at_a_miss_like_load():
+    pool = make_pool()
+    tokens = np.arange(8 * 3)
+    keys = pool.keys("a", tokens)
+    pool.save("a", keys, chunks_for(3))
+    other = tokens.copy()
+    other[20] += 1  # the third chunk differs
+    keys2 = pool.keys("a", other)
+    views = list(pool.load_views("a", keys2))
+    assert len(views) == len(pool.load("a", keys2)) == 2
+    for v in views:
+        v.release()
+    m = pool.store.metrics
+    assert m.hits_tokens.get("a") == 16 + 16 and m.misses_tokens.get("a") == 8 + 8
+    assert list(pool.load_views("b", keys)) == []  # another tenant's chunks are misses
+
+
+def test_load_views_drops_a_corrupt_chunk_and_ends_the_run():
+    pool = make_pool()
+    keys = pool.keys("a", np.arange(8 * 3))
+    kv = chunks_for(3)
+    pool.save("a", keys, kv)
+    tier, page = pool.store.locate(keys[1])
+    pool.store.slab(tier).page(page)[5] ^= 0x10
+    views = list(pool.load_views("a", keys))
+    assert len(views) == 1 and torch.equal(views[0].kv, kv[0])
+    views[0].release()
+    assert leased_pages(pool) == 0
+    assert pool.store.metrics.checksum_failures.get("dram") == 1
+    assert pool.lookup("a", keys) == 8  # the corrupt chunk is gone; the next request recomputes it
+    assert pool.store.metrics.misses_tokens.get("a") == 16
+
+
+def test_load_views_closed_early_reads_nothing_more():
+    pool = make_pool()
+    keys = pool.keys("a", np.arange(8 * 3))
+    pool.save("a", keys, chunks_for(3))
+    it = pool.load_views("a", keys)
+    with next(it):
+        pass
+    it.close()
+    assert leased_pages(pool) == 0
+    m = pool.store.metrics
+    assert m.hits_tokens.get("a") == 8 and m.misses_tokens.get("a") == 0
+    assert pool.store.metrics.hits_chunks.get("a") == 1
+
+
+def test_load_views_checks_the_tenant_before_reading():
+    from kvpool import UnknownTenant
+
+    pool = make_pool()
+    keys = pool.keys("a", np.arange(8))
+    pool.save("a", keys, chunks_for(1))
+    with pytest.raises(UnknownTenant):
+        pool.load_views("nobody", keys)  # raised by the call, not by the first next()
+    assert leased_pages(pool) == 0
+
+
+def test_load_views_of_a_misaligned_page_still_gives_the_verified_chunk():
+    from kvpool import ChunkStore, StoreConfig
+
+    store = ChunkStore(StoreConfig(page_bytes=SPEC.chunk_nbytes + 1, dram_pages=4), TenantRegistry([Tenant("a")]))
+    pool = LocalPool(SPEC, store)  # page 1 starts at an odd address: no float32 view over it
+    keys = pool.keys("a", np.arange(8 * 2))
+    kv = chunks_for(2)
+    pool.save("a", keys, kv)
+    views = list(pool.load_views("a", keys))
+    assert [torch.equal(v.kv, c) for v, c in zip(views, kv)] == [True, True]
+    assert all(v.kv.data_ptr() % 4 == 0 for v in views)  # page 1's chunk was copied to an aligned tensor
+    for v in views:
+        v.release()
+    assert store.stats()["tiers"]["dram"]["leased_pages"] == 0
