@@ -276,9 +276,11 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK, (tr.wrong, tr.max_s)
     assert dropped is not None and purged is not None
     assert client.lookup(keys).count == first
-    # Recompute and save: the victim's chunks go to their new owners; the rest are still there.
+    # Recompute and save: the victim's chunks go to their new owners (chunks the survivors have
+    # evicted meanwhile, under the writers' traffic, are stored again too).
     lost = hit.shards.count(victim)
-    assert client.put("a", keys[first:], [truth(j) for j in range(first, 80)], first_position=first) == lost
+    stored = client.put("a", keys[first:], [truth(j) for j in range(first, 80)], first_position=first)
+    assert lost <= stored <= 80 - first
     assert len(client.get("a", keys)) == 80
     converge = wait_for(lambda: converged(client), 30)
     assert converge is not None
