@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from kvpool.cluster.controller import CONTROLLER
 from kvpool.cluster.ring import HashRing
 from kvpool.cluster.shard import shard_name
 from kvpool.cluster.transport import TRANSPORTS
-from kvpool.errors import BadRequest, KvPoolError
+from kvpool.errors import BadRequest, KvPoolError, Unavailable
 from kvpool.index import PrefixHit, open_index
 from kvpool.keys import ChunkKey
 from kvpool.slab import Slab
@@ -72,7 +73,7 @@ class PoolClient:
         self._handles: dict[str, object] = {}
         self._slabs: dict[str, Slab] = {}
         self._loads: Counter[str] = Counter()
-        self._apply(ray.get(self.controller.state.remote(), timeout=30))
+        self._apply(self._first_state())
         self._stop = threading.Event()
         self._follower = None
         if refresh:
@@ -80,6 +81,19 @@ class PoolClient:
             self._follower.start()
 
     # ---------------------------------------------------------------- ring and shards
+    def _first_state(self, timeout_s: float = 30.0) -> dict:
+        """The controller's state; a controller that is restarting is waited for (up to
+        ``timeout_s``), not an error: clients may start while Ray brings it back."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(self.controller.state.remote(), timeout=timeout_s)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise Unavailable("the pool's controller did not come back within "
+                                      f"{timeout_s:.0f} s: is the pool up (kvpool up)?") from None
+                time.sleep(0.2)
+
     def _apply(self, state: dict) -> None:
         ring = HashRing.from_dict(state["ring"])
         handles, slabs = {}, {}

@@ -145,13 +145,20 @@ def wait_for(cond, timeout_s: float, step: float = 0.2) -> float | None:
 
 
 def converged(client) -> bool:
-    """Every live shard's holdings are exactly what the index lists for it."""
+    """The index names no chunk a live shard does not hold, and every chunk held is listed.
+
+    NOTE: a chunk may be held twice (bounded-load placement can pick another owner for a re-put
+    after a ring change); the index keeps one location per chunk, so the second copy is listed
+    under the first's shard, and ages out as an unlisted duplicate."""
+    held_all, listed_all = set(), set()
     for sid in client.shards:
         held = set(ray.get(shard(sid).held.remote(), timeout=10))
         listed = {bytes(k) for k in client.index.shard_keys(sid)}
-        if held != listed:
+        if not listed <= held:
             return False
-    return True
+        held_all |= held
+        listed_all |= listed
+    return held_all <= listed_all
 
 
 def put_all(client, keys):
@@ -245,10 +252,16 @@ def test_a_restarted_controller_adopts_the_shards_and_clients_carry_on(client, r
     put_all(client, keys)
     controller = ray.get_actor(CONTROLLER, namespace="kvpool-faults")
     before = set(ray.get(controller.state.remote(), timeout=10)["shards"])
+    passes = ray.get(controller.health.remote(), timeout=10)["passes"]
+
+    def adopted_by_the_new_one() -> bool:  # not the old incarnation answering before the kill lands
+        h = ray.get(controller.health.remote(), timeout=5)
+        return h["passes"] < passes and set(h["shards"]) == before
+
     with Traffic(client, keys) as tr:
         time.sleep(0.3)
         ray.kill(controller, no_restart=False)  # Ray restarts it, empty
-        adopted = wait_for(lambda: set(ray.get(controller.state.remote(), timeout=5)["shards"]) == before, 30)
+        adopted = wait_for(adopted_by_the_new_one, 30)
         time.sleep(0.5)
     assert adopted is not None
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK
@@ -272,7 +285,7 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
         time.sleep(0.5)
         c.remove_node(victim_node, allow_graceful=False)
         dropped = wait_for(lambda: victim not in client.shards, 30)
-        purged = wait_for(lambda: victim not in client.lookup(keys).shards, 30)
+        purged = wait_for(lambda: not client.index.shard_keys(victim), 30)  # every entry of it, not just the run's
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK, (tr.wrong, tr.max_s)
     assert dropped is not None and purged is not None
     assert client.lookup(keys).count == first
