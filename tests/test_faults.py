@@ -294,7 +294,10 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
     lost = hit.shards.count(victim)
     stored = client.put("a", keys[first:], [truth(j) for j in range(first, 80)], first_position=first)
     assert lost <= stored <= 80 - first
-    assert len(client.get("a", keys)) == 80
+    # Hits return past the lost chunk. (Not necessarily all 80: the survivors are full of the
+    # earlier tests' chunks, and the re-put may evict an older chunk of this prompt.)
+    got = client.get("a", keys)
+    assert len(got) > first and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
     converge = wait_for(lambda: converged(client), 30)
     assert converge is not None
     report("node killed mid-traffic", ops=tr.ops, wrong_bytes=tr.wrong, max_call_s=round(tr.max_s, 2),
