@@ -292,7 +292,10 @@ class PoolClient:
             return {}
         out: dict[int, np.ndarray] = {}
         for i in idx:
-            for sid in self.ring.owners(bytes(keys[i]), self.replicas):
+            # NOTE: bounded-load placement may have skipped a full shard and put a copy further
+            # along the ring, so the search walks every shard in ring order, not just the first
+            # ``replicas`` owners (a round trip per shard that lacks it, on the failure path only).
+            for sid in self.ring.owners(bytes(keys[i]), len(self.ring.weights)):
                 h = self._handles.get(sid)
                 if sid == failed or h is None:
                     continue
