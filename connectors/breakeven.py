@@ -35,6 +35,7 @@ class BreakEven:
     loaded: int = 0
     recomputed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _reported_at: float = field(default=float("-inf"), repr=False)
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
@@ -85,9 +86,9 @@ class BreakEven:
 
         report = getattr(pool, "report", None)
         now = time.monotonic()
-        if report is None or now - getattr(self, "_reported", -1e9) < every_s:
+        if report is None or now - self._reported_at < every_s:
             return
-        self._reported = now
+        self._reported_at = now
         try:
             report(name, self.stats(bytes_per_token))
         except Exception:  # noqa: BLE001 - figures are best effort, never a failed request

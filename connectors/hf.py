@@ -14,6 +14,7 @@ grown by exactly the tokens we ran, or the call fails loudly.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,9 @@ import torch
 
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.pools import check_config, open_pool, spec_for
-from kvpool.errors import BadRequest
+from kvpool.errors import BadRequest, KvPoolError
+
+log = logging.getLogger("kvpool.connectors.hf")
 
 
 @dataclass
@@ -66,6 +69,7 @@ class HFConnector:
         self.tenant = cfg.get("tenant", tenant)
         self.breakeven = breakeven or BreakEven()
         self._arg = _cache_argument(model)
+        self.save_refused = 0  # saves the pool refused (429 quota, 507 full): those chunks stay uncached
         self._layers = self.spec.num_layers
 
     # ---------------------------------------------------------------- cache <-> chunks
@@ -142,7 +146,11 @@ class HFConnector:
             whole = n // c
             if save and use_pool and whole > len(loaded):
                 chunks = self._chunks_from_cache(cache, len(loaded), whole - len(loaded))
-                saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared)
+                try:
+                    saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared)
+                except KvPoolError as e:  # a full pool or a spent quota: a future miss, not a failed request
+                    log.warning("transformers connector: save for tenant %s refused (%s)", tenant, e)
+                    self.save_refused += 1
         finally:
             if request is not None:
                 self.pool.end(request)  # its chunks (loaded and saved) may be evicted again

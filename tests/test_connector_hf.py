@@ -153,3 +153,19 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
         assert conn.prefill(ids).saved_chunks == 4  # empty again: recompute, save
         again = conn.prefill(ids)
         assert again.loaded_tokens == 4 * CHUNK and close(again.logits[0, -1], full)
+
+
+def test_a_refused_save_is_a_future_miss_not_a_failed_request(model):
+    from kvpool.connectors.hf import model_spec
+    from kvpool.pool import LocalPool
+    from kvpool.tenants import Tenant, TenantRegistry
+
+    spec = model_spec(model, model_id="test/tiny-llama", chunk_tokens=CHUNK)
+    pool = LocalPool.create(spec, TenantRegistry([Tenant("small", quota_bytes=spec.chunk_nbytes)]), dram_chunks=8)
+    conn = HFConnector(model, pool, tenant="small")
+    ids = prompt(3 * CHUNK + 1, seed=12)
+    r = conn.prefill(ids)  # three chunks against a one-chunk quota: 429 inside, logits outside
+    assert r.saved_chunks == 0 and conn.save_refused == 1
+    assert close(r.logits[0, -1], model(input_ids=ids).logits[0, -1])
+    assert conn.prefill(ids).loaded_tokens == 0  # nothing was stored: a miss, recomputed
+    pool.store.close()
