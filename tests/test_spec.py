@@ -16,7 +16,11 @@ def test_fingerprint_is_stable_and_distinguishes_every_field():
         KVSpec("m2", 2, 2, 64), KVSpec("m", 3, 2, 64), KVSpec("m", 2, 4, 64), KVSpec("m", 2, 2, 128),
         KVSpec("m", 2, 2, 64, dtype="float16"),
         KVSpec("m", 2, 2, 64, chunk_tokens=512), KVSpec("m", 2, 2, 64, storage_format="int8"),
-        KVSpec("m", 2, 2, 64, model_revision="abc"),
+        KVSpec("m", 2, 2, 64, model_revision="abc"), KVSpec("m", 2, 2, 64, weights="files:ab"),
+        KVSpec("m", 2, 2, 64, layer_kinds=("sliding:4096", "full")), KVSpec("m", 2, 2, 64, layer_kinds=("full", "sliding:4096")),
+        KVSpec("m", 2, 2, 64, layer_kinds=("sliding:4095", "full")), KVSpec("m", 2, 2, 64, layer_kinds=("chunked:4096", "full")),
+        KVSpec("m", 2, 2, 64, layer_kinds=("latent", "latent")), KVSpec("m", 2, 2, 64, v_head_dim=32),
+        KVSpec("m", 2, 2, 64, engine="vllm"),
     ]
     fps = {v.fingerprint() for v in variants} | {base.fingerprint()}
     assert len(fps) == len(variants) + 1
@@ -34,9 +38,26 @@ def test_round_trip_through_dict():
         KVSpec.from_dict({**spec.to_dict(), "heads": 3})
 
 
+def test_layouts_described_in_more_or_fewer_words_are_one_layout():
+    assert KVSpec("m", 2, 2, 64, layer_kinds=["full", "full"], v_head_dim=64) == KVSpec("m", 2, 2, 64)
+    assert KVSpec("m", 2, 2, 64, layer_kinds=("full", "full")).fingerprint() == KVSpec("m", 2, 2, 64).fingerprint()
+    spec = KVSpec("m", 2, 1, 512, layer_kinds=("latent", "latent"), v_head_dim=64, dtype="float32")
+    assert KVSpec.from_dict(spec.to_dict()) == spec and spec.kind(1) == "latent" and KVSpec("m", 1, 1, 8).kind(0) == "full"
+    assert spec.chunk_shape == (2, 256, 1, 576) and spec.chunk_nbytes == 2 * 256 * 576 * 4
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
+        (dict(layer_kinds=("full",)), "names 1 layers"),
+        (dict(layer_kinds=("sliding", "full")), "layer kind"),
+        (dict(layer_kinds=("sliding:0", "full")), "layer kind"),
+        (dict(layer_kinds=("window:8", "full")), "layer kind"),
+        (dict(layer_kinds="full"), "one kind per layer"),
+        (dict(v_head_dim=-1), "v_head_dim"),
+        (dict(v_head_dim=32, storage_format="fp8"), "one width"),
+        (dict(weights=b"x"), "weights"),
+        (dict(engine=None), "engine"),
         (dict(num_layers=0), "num_layers"),
         (dict(head_dim=-1), "head_dim"),
         (dict(dtype="int3"), "dtype"),
