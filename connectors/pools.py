@@ -39,13 +39,17 @@ _lock = threading.Lock()
 
 def spec_for(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: object, *,
              chunk_tokens: int = 256, block_size: int | None = None, revision: str = "main",
-             storage_format: str = "raw") -> KVSpec:
-    """The KV spec of a decoder model. ``dtype`` may be a torch dtype or its name."""
+             storage_format: str = "raw", weights: str = "", layer_kinds: tuple[str, ...] = (),
+             v_head_dim: int = 0, engine: str = "") -> KVSpec:
+    """The KV spec of a decoder model. ``dtype`` may be a torch dtype or its name; ``weights`` is
+    the weights' fingerprint (:mod:`kvpool.connectors.weights`), ``layer_kinds`` one kind per layer
+    (:func:`kvpool.connectors.families.layer_kinds`)."""
     name = str(dtype)
     name = DTYPE_NAMES.get(name, name.removeprefix("torch."))
     return KVSpec(model_id, num_layers, num_kv_heads, head_dim, dtype=name,
                   block_size=block_size or chunk_tokens, chunk_tokens=chunk_tokens,
-                  storage_format=storage_format, model_revision=revision)
+                  storage_format=storage_format, model_revision=revision, weights=weights,
+                  layer_kinds=tuple(layer_kinds), v_head_dim=v_head_dim, engine=engine)
 
 
 def check_config(config: dict[str, Any]) -> dict[str, Any]:

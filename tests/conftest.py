@@ -17,6 +17,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # The tests' Ray clusters are loopback-only: no token auth (a token left in ~/.ray by another
 # local Ray would otherwise make heads and clients disagree).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# The weights-fingerprint cache of the tests' checkpoints lives with the test run, not in ~/.cache.
+if "KVPOOL_CACHE_DIR" not in os.environ:
+    import tempfile as _tempfile
+
+    os.environ["KVPOOL_CACHE_DIR"] = _tempfile.mkdtemp(prefix="kvpool-test-cache-")
 # Triton kernels run under the interpreter on CPU-only machines; read when a kernel is decorated,
 # so it is set before any test imports kvpool.kernels.
 try:

@@ -7,7 +7,8 @@ import sys
 CORE = ["kvpool", "kvpool.store", "kvpool.pool", "kvpool.cache", "kvpool.index", "kvpool.index.redis_index",
         "kvpool.sim.run", "kvpool.health", "kvpool.bench.store", "kvpool.bench.index", "kvpool.bench.kernels",
         "kvpool.bench.concurrency", "kvpool.cli", "kvpool.kernels", "kvpool.connectors.pools",
-        "kvpool.connectors.breakeven"]
+        "kvpool.connectors.breakeven", "kvpool.connectors.weights", "kvpool.connectors.families",
+        "kvpool.connectors.bench_weights"]
 FORBIDDEN = ["ray", "transformers", "vllm", "sglang"]
 
 
