@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.connectors.breakeven import BreakEven
+from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds, text_config
 from kvpool.connectors.pools import check_config, open_pool, spec_for
+from kvpool.connectors.weights import config_fields, check_given, files_fingerprint, local_checkpoint, tensors_fingerprint
 from kvpool.errors import BadRequest, KvPoolError
 
 log = logging.getLogger("kvpool.connectors.hf")
@@ -38,14 +40,114 @@ class PrefillResult:
     timings: dict = field(default_factory=dict)
 
 
-def model_spec(model, *, model_id: str | None = None, chunk_tokens: int = 256, revision: str = "main"):
-    """The KV spec of a transformers decoder (from its config and parameter dtype)."""
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    name = model_id or getattr(cfg, "_name_or_path", "") or type(model).__name__
-    return spec_for(name, cfg.num_hidden_layers, heads, head_dim, next(model.parameters()).dtype,
-                    chunk_tokens=chunk_tokens, revision=revision)
+def model_spec(model, *, model_id: str | None = None, chunk_tokens: int = 256, revision: str = "main",
+               weights: str | None = None):
+    """The KV spec of a transformers decoder: its layers' kinds (from the config), the K and V
+    shapes its cache really holds (one probe token), and its weights' fingerprint
+    (``weights``: None or ``"auto"``, ``"files"``, ``"tensors"``, or your own name for them; see
+    :mod:`kvpool.connectors.weights`). Raises :class:`UnsupportedModel` for a family the
+    connector cannot serve correctly."""
+    kinds, heads, k_dim, v_dim, dtype = model_layout(model)
+    name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return spec_for(name, len(kinds), heads, k_dim, dtype, chunk_tokens=chunk_tokens, revision=revision,
+                    weights=model_weights(model, weights, revision), layer_kinds=kinds, v_head_dim=v_dim,
+                    engine=engine_scope(model.config, "transformers", type(model).__name__))
+
+
+def model_layout(model) -> tuple[tuple[str, ...], int, int, int, object]:
+    """(layer kinds, KV heads, K width, V width, dtype) of a transformers decoder."""
+    kinds = layer_kinds(model.config, engine="transformers connector")
+    _check_cache_layers(model, kinds)
+    heads, k_dim, v_dim, dtype = _probe_kv(model, len(kinds))
+    if is_latent(model.config):
+        cfg = text_config(model.config)
+        if (heads, k_dim, v_dim) == (1, cfg.kv_lora_rank, cfg.qk_rope_head_dim):
+            # NOTE: transformers >= 5.2x caches MLA compressed: per token one normalised latent
+            # (the "keys") and one rotated rope key (the "values"), expanded per head at attention.
+            kinds = tuple("latent" if k == "full" else k for k in kinds)
+    return kinds, heads, k_dim, v_dim, dtype
+
+
+def _same_layout(spec, model) -> bool:
+    kinds, heads, k_dim, v_dim, dtype = model_layout(model)
+    other = spec_for(spec.model_id, len(kinds), heads, k_dim, dtype, chunk_tokens=spec.chunk_tokens,
+                     revision=spec.model_revision, weights=spec.weights, layer_kinds=kinds, v_head_dim=v_dim,
+                     storage_format=spec.storage_format,
+                     engine=engine_scope(model.config, "transformers", type(model).__name__))
+    return other.fingerprint() == spec.fingerprint()
+
+
+def model_weights(model, weights: str | None = None, revision: str | None = None) -> str:
+    """The weights fingerprint of a loaded model. ``auto``: its checkpoint folder's files when it
+    was loaded from one with the folder's own config (so vLLM serving that folder shares its
+    chunks), else its tensors."""
+    if weights not in (None, "auto", "files", "tensors"):
+        return check_given(weights)
+    if weights != "tensors":
+        source = getattr(model.config, "_name_or_path", "") or ""
+        folder = local_checkpoint(source, None if revision in (None, "main") else revision)
+        if folder is not None and _config_is_the_folders(model.config, folder):
+            return files_fingerprint(folder)
+        if weights == "files":
+            raise BadRequest(f"weights='files' but {type(model).__name__} was not loaded from a checkpoint folder "
+                             f"with its own config ({source!r}): use weights='tensors' or name the weights yourself")
+    return tensors_fingerprint(model)
+
+
+def _config_is_the_folders(config, folder: str) -> bool:
+    """Whether the model runs with its folder's config (no override of a field that changes KV)."""
+    try:
+        disk = type(config).from_pretrained(folder).to_dict()
+    except Exception:  # noqa: BLE001 - a folder whose config does not load: not this model's
+        return False
+    skip = ("dtype", "torch_dtype", "use_cache")
+    here = {k: v for k, v in config_fields(config.to_dict()).items() if k not in skip}
+    return here == {k: v for k, v in config_fields(disk).items() if k not in skip}
+
+
+def _check_cache_layers(model, kinds: tuple[str, ...]) -> None:
+    """transformers' own cache for the model must agree with the kinds read from its config (a
+    layer class or window we did not expect means the model does something we cannot vouch for)."""
+    from transformers import DynamicCache
+
+    layers = DynamicCache(config=model.config).layers
+    if len(layers) != len(kinds):
+        raise UnsupportedModel(f"transformers connector: {type(model).__name__}'s cache has {len(layers)} layers but "
+                               f"its config {len(kinds)}: kvpool cannot tell what each layer's KV is")
+    for i, (layer, kind) in enumerate(zip(layers, kinds)):
+        cls = type(layer).__name__
+        window = int(kind.partition(":")[2] or 0)
+        ok = (cls == "DynamicLayer" and not window) or (
+            cls == "DynamicSlidingWindowLayer" and window and getattr(layer, "sliding_window", None) == window)
+        if not ok:
+            raise UnsupportedModel(f"transformers connector: layer {i} of {type(model).__name__} caches through "
+                                   f"{cls} but its config says {kind!r}; kvpool cannot vouch for reusing its KV. "
+                                   "Serve this model without the pool")
+
+
+def _probe_kv(model, num_layers: int) -> tuple[int, int, int, object]:
+    """(KV heads, K width, V width, dtype) that the model's cache holds, from one probe token."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+              **{_cache_argument(model): cache})
+    shapes = set()
+    for layer in range(num_layers):
+        if layer >= len(cache.layers) or getattr(cache.layers[layer], "keys", None) is None:
+            raise UnsupportedModel(f"transformers connector: {type(model).__name__} left layer {layer} of its cache "
+                                   "empty: kvpool cannot rebuild a cache it does not fill")
+        k, v = _layer_kv(cache, layer)
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.dtype != v.dtype:
+            raise UnsupportedModel(f"transformers connector: layer {layer} caches K {tuple(k.shape)} and V "
+                                   f"{tuple(v.shape)}; kvpool stores [batch, heads, tokens, dim] K and V")
+        shapes.add((k.shape[1], k.shape[3], v.shape[3], k.dtype))
+    if len(shapes) != 1:
+        raise UnsupportedModel(f"transformers connector: {type(model).__name__}'s layers cache KV of different shapes "
+                               f"{sorted(map(str, shapes))}; kvpool chunks hold one shape for every layer")
+    return shapes.pop()
 
 
 def _cache_argument(model) -> str:
@@ -58,34 +160,60 @@ def _cache_argument(model) -> str:
 
 
 class HFConnector:
-    """One model's view of the pool. ``config`` is the pool config of ``kvpool.connectors.pools``."""
+    """One model's view of the pool. ``config`` is the pool config of ``kvpool.connectors.pools``;
+    ``weights`` names the weights (see :func:`model_spec`).
+
+    Sliding-window and chunked-attention layers: the connector runs the model on a cache that
+    keeps every layer's KV of the whole prompt (the model's masks still apply the window), so a
+    saved chunk holds its tokens' KV for every layer and any prefix of whole chunks can be
+    loaded. transformers' own cache would have dropped a sliding layer's tokens older than the
+    window, leaving nothing correct to save for them.
+    NOTE: the cost is memory, not correctness: a sliding layer's cache holds the whole prompt
+    instead of its window (measured in docs/benchmarks.md); prefill computes the same attention
+    either way, as transformers' first forward also sees every key.
+    """
 
     def __init__(self, model, pool=None, *, config: dict | None = None, model_id: str | None = None,
-                 tenant: str = "default", breakeven: BreakEven | None = None) -> None:
+                 tenant: str = "default", breakeven: BreakEven | None = None, weights: str | None = None) -> None:
         cfg = check_config(config or {})
         self.model = model
-        self.spec = model_spec(model, model_id=model_id, chunk_tokens=cfg["chunk_tokens"]) if pool is None else pool.spec
-        self.pool = pool if pool is not None else open_pool(self.spec, config)
+        self._arg = _cache_argument(model)
+        if pool is None:
+            self.spec = model_spec(model, model_id=model_id, chunk_tokens=cfg["chunk_tokens"], weights=weights)
+            self.pool = open_pool(self.spec, config)
+        else:
+            self.spec, self.pool = pool.spec, pool
+            if not _same_layout(pool.spec, model):  # NOTE: the weights are the pool's maker's word (model_spec)
+                raise BadRequest(f"the pool's spec {pool.spec} does not describe {type(model).__name__}'s KV layout: "
+                                 "open the pool with model_spec(model)")
         self.tenant = cfg.get("tenant", tenant)
         self.breakeven = breakeven or BreakEven()
-        self._arg = _cache_argument(model)
         self.save_refused = 0  # saves the pool refused (429 quota, 507 full): those chunks stay uncached
+        self.load_failed = 0  # loads that failed unexpectedly: the request recomputed its prefix
         self._layers = self.spec.num_layers
 
     # ---------------------------------------------------------------- cache <-> chunks
-    def _cache_from_chunks(self, chunks: list[torch.Tensor], tokens: int):
-        """A DynamicCache holding the first ``tokens`` tokens of the chunks."""
+    def _new_cache(self):
+        """A cache that keeps every layer's KV of every token (see the class docstring)."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        return DynamicCache()
+
+    def _cache_from_chunks(self, chunks: list[torch.Tensor], tokens: int):
+        """A cache holding the first ``tokens`` tokens of the chunks."""
+        cache = self._new_cache()
         if not chunks:
             return cache
-        kv = torch.cat(chunks, dim=2)[:, :, :tokens]  # [layers, 2, tokens, heads, dim]
         device = next(self.model.parameters()).device
-        for layer in range(self._layers):
-            k = kv[layer, 0].permute(1, 0, 2).unsqueeze(0).to(device)  # [1, heads, tokens, dim]
-            v = kv[layer, 1].permute(1, 0, 2).unsqueeze(0).to(device)
-            cache.update(k, v, layer)
+        kd = self.spec.head_dim
+        if self.spec.v_head_dim:  # [layers, tokens, heads, kd + vd]
+            kv = torch.cat(chunks, dim=1)[:, :tokens]
+            pairs = [(kv[layer, :, :, :kd], kv[layer, :, :, kd:]) for layer in range(self._layers)]
+        else:  # [layers, 2, tokens, heads, dim]
+            kv = torch.cat(chunks, dim=2)[:, :, :tokens]
+            pairs = [(kv[layer, 0], kv[layer, 1]) for layer in range(self._layers)]
+        for layer, (k, v) in enumerate(pairs):
+            cache.update(k.permute(1, 0, 2).unsqueeze(0).to(device), v.permute(1, 0, 2).unsqueeze(0).to(device), layer)
         return cache
 
     def _chunks_from_cache(self, cache, first: int, count: int) -> list[torch.Tensor]:
@@ -95,9 +223,26 @@ class HFConnector:
         per_layer = []
         for layer in range(self._layers):
             k, v = _layer_kv(cache, layer)
-            per_layer.append(torch.stack([k[0, :, lo:hi], v[0, :, lo:hi]]))  # [2, heads, tokens, dim]
-        kv = torch.stack(per_layer).permute(0, 1, 3, 2, 4).contiguous().cpu()  # [layers, 2, tokens, heads, dim]
-        return [kv[:, :, i * c : (i + 1) * c].contiguous() for i in range(count)]
+            if k.shape[2] < hi or v.shape[2] < hi:
+                raise RuntimeError(f"layer {layer} of the cache holds {k.shape[2]} tokens, not the {hi} saved: the "
+                                   "cache dropped tokens (a sliding window?) and its chunks cannot be stored")
+            k, v = k[0, :, lo:hi].transpose(0, 1), v[0, :, lo:hi].transpose(0, 1)  # [tokens, heads, dim]
+            per_layer.append(torch.cat([k, v], dim=-1) if self.spec.v_head_dim else torch.stack([k, v]))
+        kv = torch.stack(per_layer).contiguous().cpu()
+        axis = 1 if self.spec.v_head_dim else 2
+        return [kv.narrow(axis, i * c, c).contiguous() for i in range(count)]
+
+    def _load(self, tenant: str, keys: list, usable: int):
+        """(chunks, cache) for the leading ``usable`` tokens; any failure is a miss, never a crash."""
+        c = self.spec.chunk_tokens
+        try:
+            loaded = self.pool.load(tenant, keys[: -(-usable // c)])  # a miss on the way shortens the run
+            return loaded, self._cache_from_chunks(loaded, min(len(loaded) * c, usable))
+        except Exception as e:  # noqa: BLE001 - the pool must never fail a request: recompute instead
+            log.warning("transformers connector: load for tenant %s failed (%s: %s); recomputing the prefix",
+                        tenant, type(e).__name__, e)
+            self.load_failed += 1
+            return [], self._new_cache()
 
     # ---------------------------------------------------------------- the request
     @torch.no_grad()
@@ -116,6 +261,7 @@ class HFConnector:
         timings = {}
         request = None
         loaded: list[torch.Tensor] = []
+        cache = None
         if use_pool and keys:
             # NOTE: the KV of a token depends only on the tokens before it, so a cached chunk
             # holding the prompt's last token is loaded too and cut just before that token: on a
@@ -124,16 +270,16 @@ class HFConnector:
             if usable and self.breakeven.should_load(usable, -(-usable // c) * self.spec.chunk_nbytes):
                 request = self.pool.begin(tenant, keys)
                 t1 = time.perf_counter()
-                loaded = self.pool.load(tenant, keys[: -(-usable // c)])  # a miss on the way shortens the run
+                loaded, cache = self._load(tenant, keys, usable)
                 if loaded:
                     self.breakeven.observe_load(len(loaded) * self.spec.chunk_nbytes, time.perf_counter() - t1)
                 timings["load_s"] = time.perf_counter() - t1
         try:
             hit = min(len(loaded) * c, n - 1)
-            cache = self._cache_from_chunks(loaded, hit)
+            cache = cache if cache is not None else self._new_cache()
             t2 = time.perf_counter()
-            out = self.model(input_ids=ids[:, hit:].to(next(self.model.parameters()).device), use_cache=True,
-                             **{self._arg: cache})
+            device = next(self.model.parameters()).device
+            out = self.model(input_ids=ids[:, hit:].to(device), use_cache=True, **{self._arg: cache})
             timings["prefill_s"] = time.perf_counter() - t2
             self.breakeven.observe_prefill(n - hit, timings["prefill_s"])
             self.breakeven.maybe_report(self.pool, f"transformers {self.spec.model_id} pid {_pid()}",
