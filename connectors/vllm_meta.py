@@ -24,6 +24,7 @@ from kvpool.errors import BadRequest
 CONNECTOR_KEYS = {
     "model_id",  # the pool's name for the model (default: vLLM's model name or path)
     "model_revision",  # default: vLLM's revision, else "main"
+    "model_weights",  # your name for the weights (default: a fingerprint of the checkpoint's files)
     "breakeven_margin",  # > 1 favours recomputing on ties (BreakEven.margin)
 }
 

@@ -71,7 +71,7 @@ def storage_config(extra: dict | None, *, layout: str = "page_first", model: str
 def extra_config(**pool) -> dict:
     """The extra config a user passes with ``--hicache-storage-backend dynamic``."""
     return {"backend_name": "kvpool", "module_path": "kvpool.connectors.sglang", "class_name": "KVPoolStorage",
-            "dram_mib": 1, **pool}
+            "dram_mib": 1, "model_weights": "kvpool-tests/tiny-llama@seed0", **pool}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +103,30 @@ def test_sglang_keys_are_stripped_and_unknown_keys_are_refused():
         StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(tenant="mallory")), None)
     with pytest.raises(BadRequest, match="MLA"):
         StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(), is_mla=True), None)
+
+
+def test_the_backend_names_the_weights_and_refuses_what_it_cannot_serve(tmp_path):
+    """Keys carry the checkpoint's content: the folder SGLang serves is fingerprinted like the
+    transformers connector does it; a checkpoint rewritten in place gets another fingerprint; a
+    model that is no folder needs ``model_weights``; sliding-window models are refused."""
+    from tinymodel import save_tiny_llama
+
+    from kvpool.connectors.families import UnsupportedModel
+    from kvpool.connectors.sglang import model_identity
+    from kvpool.connectors.weights import files_fingerprint
+    from kvpool.errors import BadRequest
+
+    folder = save_tiny_llama(tmp_path / "m", seed=0)
+    first, kinds, scope = model_identity(folder, None)
+    assert first == files_fingerprint(folder) and kinds == ("full", "full") and scope == ""  # Llama: shared
+    save_tiny_llama(tmp_path / "m", seed=1)  # another checkpoint, same name and shape, same folder
+    assert model_identity(folder, None)[0] != first
+    assert model_identity(folder, "mine@v1")[0] == "given:mine@v1"
+    with pytest.raises(BadRequest, match="model_weights"):
+        StorageBackendFactory.create_backend("dynamic", storage_config({**extra_config(), "model_weights": None}), None)
+    windowed = save_tiny_llama(tmp_path / "w", seed=0, sliding_window=64)
+    with pytest.raises(UnsupportedModel, match="sliding:64"):
+        model_identity(windowed, None)
 
 
 def test_calls_before_the_host_pool_is_registered_say_what_to_do():

@@ -1,0 +1,117 @@
+"""The model zoo (tests/zoo.py) through vLLM's CPU build with KVPoolConnector.
+
+For each family vLLM serves with one full-attention KV cache group: a prompt run cold saves its
+chunks, the same prompt again loads them from the pool, and tokens and log-probs must equal the
+cold run's exactly (prefix caching off: every reuse comes from the pool). For the families whose
+KV transformers and vLLM compute alike (``CROSS_ENGINE``), chunks saved by the transformers
+connector from the same checkpoint folder are loaded by vLLM and give vLLM's own greedy tokens;
+for every other family the keys are the engine's own, so vLLM never loads them. Families the
+connector cannot serve (vLLM's sliding-window groups, MLA, GPT-NeoX whose CPU prefill is not
+reproducible) are refused at engine start with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import IN_CI
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+try:
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - the engines venv has it
+    if IN_CI:
+        pytest.fail(f"vllm is not importable ({e}); run with .venv-engines/bin/python", pytrace=False)
+    pytest.skip(f"vllm is not importable ({e}); run with .venv-engines/bin/python", allow_module_level=True)
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+
+import zoo  # noqa: E402
+from kvpool.connectors.breakeven import BreakEven  # noqa: E402
+from kvpool.connectors.families import CROSS_ENGINE, UnsupportedModel  # noqa: E402
+from kvpool.connectors.hf import HFConnector  # noqa: E402
+from kvpool.connectors.pools import close_local_pools  # noqa: E402
+from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
+
+CHUNK = 64  # two vLLM blocks of 32
+N = 200  # prompt tokens: three whole chunks and 8 more
+POOL = {"backend": "local", "chunk_tokens": CHUNK, "dram_mib": 64, "breakeven_margin": 0.0}
+LOGPROB_TOL = 2e-3  # transformers and vLLM compute the same fp32 KV with different kernels
+
+# NOTE: vLLM's CPU build pages Gemma 2/3's sliding layers as full attention (one
+# FullAttentionSpec group, every block kept), so whole chunks hold every layer's KV and serve.
+SERVED = ["llama", "qwen2", "qwen3", "phi", "gpt2", "gemma2", "gemma3"]
+REFUSED = {
+    "mistral": "SlidingWindowSpec",
+    "mistral-long-window": "SlidingWindowSpec",  # vLLM pages sliding layers even when the window is long
+    "deepseek-v3-mla": "latent",
+    "gpt-neox": "reproducibly",
+}
+OVERRIDES = {
+    "deepseek-v3-mla": dict(first_k_dense_replace=3),  # dense layers: vLLM's CPU MoE needs an EP group
+    "gemma2": dict(tie_word_embeddings=True), "gemma3": dict(tie_word_embeddings=True),  # vLLM's Gemma ties them
+}
+
+
+def folder_of(tmp_path_factory, family: str) -> str:
+    d = str(tmp_path_factory.mktemp(family))
+    zoo.build(family, **OVERRIDES.get(family, {})).save_pretrained(d)
+    return d
+
+
+def generate(llm, tokens, salt=None):
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    conn = scheduler_connector(llm)
+    before = conn.stats().get("loaded_tokens", 0)
+    prompt = {"prompt_token_ids": list(tokens), **({"cache_salt": salt} if salt else {})}
+    o = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    return list(o.token_ids), [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)], \
+        conn.stats().get("loaded_tokens", 0) - before
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_vllm_loads_give_the_tokens_of_recomputing(tmp_path_factory, family):
+    from transformers import AutoModelForCausalLM
+
+    close_local_pools()
+    folder = folder_of(tmp_path_factory, family)
+    pool = {**POOL, "pool": f"vzoo-{family}"}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = HFConnector(model, config={k: v for k, v in pool.items() if k != "breakeven_margin"},
+                     breakeven=BreakEven(margin=0.0))
+    shared = [int(t) for t in zoo.prompt(N, seed=1)[0]]
+    assert hf.prefill(torch.tensor([shared])).saved_chunks == N // CHUNK
+    llm = make_engine(folder, pool, enable_prefix_caching=False, max_model_len=1024)
+    try:
+        spec = scheduler_connector(llm).spec
+        assert spec.weights == hf.spec.weights and spec.weights.startswith("files:")
+        own = [int(t) for t in zoo.prompt(N, seed=2)[0]]
+        cold_tokens, cold_lps, cold_loaded = generate(llm, own)
+        warm_tokens, warm_lps, warm_loaded = generate(llm, own)
+        assert (cold_loaded, warm_loaded) == (0, N // CHUNK * CHUNK)
+        assert warm_tokens == cold_tokens and warm_lps == cold_lps  # bit for bit
+        ref_tokens, ref_lps, _ = generate(llm, shared, salt="recompute")  # another namespace: cold
+        tokens, lps, loaded = generate(llm, shared)
+        if model.config.architectures[0] in CROSS_ENGINE:
+            assert spec.fingerprint() == hf.spec.fingerprint() and loaded == N // CHUNK * CHUNK
+            assert tokens == ref_tokens
+            assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= LOGPROB_TOL
+        else:
+            assert spec.engine == "vllm" and loaded == 0  # transformers' chunks are not vLLM's
+    finally:
+        shutdown_engine(llm)
+        close_local_pools()
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_families_vllm_cannot_serve_through_the_pool_are_refused_at_start(tmp_path_factory, family):
+    folder = folder_of(tmp_path_factory, family)
+    with pytest.raises(UnsupportedModel, match=REFUSED[family]) as e:
+        make_engine(folder, {**POOL, "pool": f"vzoo-{family}"}, enable_prefix_caching=False, max_model_len=1024)
+    assert "without" in str(e.value)  # and it says what to do instead
+    close_local_pools()
