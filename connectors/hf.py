@@ -168,9 +168,12 @@ class HFConnector:
     saved chunk holds its tokens' KV for every layer and any prefix of whole chunks can be
     loaded. transformers' own cache would have dropped a sliding layer's tokens older than the
     window, leaving nothing correct to save for them.
-    NOTE: the cost is memory, not correctness: a sliding layer's cache holds the whole prompt
-    instead of its window (measured in docs/benchmarks.md); prefill computes the same attention
-    either way, as transformers' first forward also sees every key.
+    Once the prompt's chunks are saved, the request goes on with transformers' own cache (sliding
+    layers back to their window), so decoding costs what it costs without the pool.
+    NOTE: what it costs: the pool stores every layer of every chunk, where a window-aware store
+    would keep a sliding layer's chunks only inside its window (measured by ``kvpool bench
+    sliding``); prefill computes the same attention either way (transformers' first forward also
+    sees every key), and holds the whole prompt's KV until the save.
     """
 
     def __init__(self, model, pool=None, *, config: dict | None = None, model_id: str | None = None,
@@ -191,6 +194,7 @@ class HFConnector:
         self.save_refused = 0  # saves the pool refused (429 quota, 507 full): those chunks stay uncached
         self.load_failed = 0  # loads that failed unexpectedly: the request recomputed its prefix
         self._layers = self.spec.num_layers
+        self._windowed = any(k.startswith(("sliding", "chunked")) for k in self.spec.layer_kinds)
 
     # ---------------------------------------------------------------- cache <-> chunks
     def _new_cache(self):
@@ -198,6 +202,18 @@ class HFConnector:
         from transformers import DynamicCache
 
         return DynamicCache()
+
+    def _own_cache(self, cache):
+        """transformers' own cache holding ``cache``'s KV: once the prompt's chunks are saved, its
+        sliding and chunked layers keep only their window again, so decoding costs what it costs
+        without the pool."""
+        from transformers import DynamicCache
+
+        own = DynamicCache(config=self.model.config)
+        for layer in range(self._layers):
+            own.update(*_layer_kv(cache, layer), layer)
+        assert own.get_seq_length() == cache.get_seq_length()
+        return own
 
     def _cache_from_chunks(self, chunks: list[torch.Tensor], tokens: int):
         """A cache holding the first ``tokens`` tokens of the chunks."""
@@ -300,6 +316,8 @@ class HFConnector:
         finally:
             if request is not None:
                 self.pool.end(request)  # its chunks (loaded and saved) may be evicted again
+        if self._windowed:
+            cache = self._own_cache(cache)
         return PrefillResult(out.logits, cache, n, hit, saved, time.perf_counter() - t0, timings)
 
     @torch.no_grad()

@@ -233,6 +233,25 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_weights(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_weights
+
+    try:
+        result = bench_weights.run(args.size_gib, args.rounds, args.dir, progress=not args.json)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    print(json.dumps(result, indent=2) if args.json else bench_weights.format_table(result))
+    return 0
+
+
+def _bench_sliding(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_sliding
+
+    rows = bench_sliding.run(args.context, args.rounds, progress=not args.json)
+    print(json.dumps(rows, indent=2) if args.json else bench_sliding.format_table(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="A distributed KV-cache pool for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -336,6 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_bench_ttft)
+    bw = bsub.add_parser("weights", help="cost of the weights fingerprint: first start and cached, beside a plain read")
+    bw.add_argument("--size-gib", type=float, default=16.0, help="size of the simulated checkpoint")
+    bw.add_argument("--rounds", type=int, default=3)
+    bw.add_argument("--dir", default=None, help="where to write it (default /var/tmp)")
+    bw.add_argument("--json", action="store_true")
+    bw.set_defaults(func=_bench_weights)
+    bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")
+    bl.add_argument("--context", type=int, default=8192)
+    bl.add_argument("--rounds", type=int, default=3)
+    bl.add_argument("--json", action="store_true")
+    bl.set_defaults(func=_bench_sliding)
     return p
 
 

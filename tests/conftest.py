@@ -33,6 +33,23 @@ except ImportError:  # pragma: no cover
     pass
 
 
+def need_engines(*modules: str) -> None:
+    """For an engine test module, at its top: imports ``modules`` and sets vLLM to run in-process,
+    or fails (in CI) / skips the module (elsewhere) naming the virtualenv that has them."""
+    import importlib
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        for m in modules:
+            importlib.import_module(m)
+    except ImportError as e:  # pragma: no cover - the engines venv has them
+        msg = f"{'/'.join(modules)} not importable ({e}); run with .venv-engines/bin/python (make engines)"
+        if IN_CI:
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU checks are deselected on machines without CUDA: they are not part of the CPU suite (so
     never a skip in CI); the GPU script runs them with ``-m gpu``."""

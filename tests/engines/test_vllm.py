@@ -8,21 +8,12 @@ pool (the second loads from the pool what the first saved).
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 
-from conftest import IN_CI
+from conftest import need_engines
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-try:
-    import vllm  # noqa: F401
-except ImportError as e:  # pragma: no cover - the engines venv has it
-    if IN_CI:
-        pytest.fail(f"vllm is not importable ({e}); run with .venv-engines/bin/python", pytrace=False)
-    pytest.skip(f"vllm is not importable ({e}); run with .venv-engines/bin/python", allow_module_level=True)
+need_engines("vllm")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
