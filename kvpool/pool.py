@@ -7,15 +7,12 @@ in the tenant's namespace, checks KV tensors against the spec before storing the
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.keys import ChunkKey, Namespace, as_keys, chunk_keys
-from kvpool.policies import Access
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
 from kvpool.tenants import SHARED_SALT, TenantRegistry
@@ -71,7 +68,6 @@ class LocalPool:
         self.spec = spec
         self.store = store
         self._fingerprint = spec.fingerprint()
-        self._requests = itertools.count(1)
 
     @classmethod
     def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, **config) -> "LocalPool":
@@ -153,7 +149,7 @@ class LocalPool:
             self.check_chunk(c)
         payloads = [c.detach().cpu().contiguous() for c in chunks]
         n = len(keys)
-        access = Access(next(self._requests), time.monotonic(), n, n, start)
+        access = self.store.new_access(n, n, start)
         parent = keys[start - 1] if start else None
         stored = self.store.put_many(list(keys[start : start + len(chunks)]), payloads, tenant, shared=shared,
                                      parent=parent, first_position=start, access=access, request=request)

@@ -304,8 +304,7 @@ class ChunkStore(CacheHooks):
                 raise
             report = access is None  # a standalone write tells the policy itself
             if access is None:
-                access = Access(next(self._requests), time.monotonic(), first_position + len(keys),
-                                first_position + len(keys), first_position)
+                access = self.new_access(first_position + len(keys), first_position + len(keys), first_position)
             held: list[int] = []  # leased to the end: the parent and chunks found resident
             nodes: list[int] = []
             prev = self._visible(cache.index.get(parent), t_idx) if parent is not None else None
@@ -439,8 +438,7 @@ class ChunkStore(CacheHooks):
             except QuotaExceeded:
                 self.metrics.rejected_quota.inc(1, tenant)
                 raise
-            access = Access(next(self._requests), time.monotonic(), first_position + len(keys),
-                            first_position + len(keys), first_position)
+            access = self.new_access(first_position + len(keys), first_position + len(keys), first_position)
             hold = _Hold("write", [], time.monotonic() + ttl_s, t_idx, [], shared, new_bytes, access)
             hid = next(self._requests)
             self._holds[hid] = hold
@@ -752,6 +750,13 @@ class ChunkStore(CacheHooks):
         index = self._cache.index
         with self._lock:
             return [self._visible(index.get(k), t_idx) is not None for k in keys]
+
+    def new_access(self, num_blocks: int, full_blocks: int, hit_blocks: int = 0) -> Access:
+        """A request as the policy sees it, with an id from the store's one counter.
+
+        NOTE: every request id comes from here: two counters (a pool's and the store's) minted the
+        same ids for different requests, and whole-request policies merged their groups."""
+        return Access(next(self._requests), time.monotonic(), num_blocks, full_blocks, hit_blocks)
 
     def access(self, keys: Sequence[ChunkKey], tenant: str, access: Access) -> None:
         """Tells the policy that one request used these chunks (root to leaf)."""

@@ -190,3 +190,25 @@ def test_load_views_of_a_misaligned_page_still_gives_the_verified_chunk():
     for v in views:
         v.release()
     assert store.stats()["tiers"]["dram"]["leased_pages"] == 0
+
+
+@pytest.mark.parametrize("policy", ["request-fifo", "request-lru", "tiered"])
+def test_requests_through_two_pools_and_the_store_are_three_requests(policy):
+    """Request ids come from the store alone: two pools on one store (two engines' connectors) and
+    a write straight to the store once each minted id 1, and whole-request policies took three
+    requests for one. Filling the store must evict the oldest request's chunks, and only them."""
+    from kvpool.store import ChunkStore, StoreConfig
+
+    store = ChunkStore(StoreConfig(SPEC.chunk_nbytes, 6, policy=policy), TenantRegistry([Tenant("a")]))
+    one, two = LocalPool(SPEC, store), LocalPool(SPEC, store)
+    first = one.keys("a", np.arange(16))
+    assert one.save("a", first, chunks_for(2, seed=1)) == 2
+    direct = one.keys("a", np.arange(100, 116))
+    assert sum(store.put_many(direct, [c.reshape(-1).view(torch.uint8).numpy() for c in chunks_for(2, seed=2)],
+                              "a")) == 2
+    second = two.keys("a", np.arange(200, 216))
+    assert two.save("a", second, chunks_for(2, seed=3)) == 2
+    third = one.keys("a", np.arange(300, 316))
+    assert one.save("a", third, chunks_for(2, seed=4)) == 2  # the store is full: one request must go
+    assert one.lookup("a", first) == 0
+    assert [one.lookup("a", k) for k in (direct, second, third)] == [16, 16, 16]
