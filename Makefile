@@ -15,7 +15,7 @@ EBIN    := $(ENGINES)/bin
 ESTAMP  := $(ENGINES)/.kvpool-installed
 SGLANG_DEPS := orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
 
-.PHONY: demo test venv engines clean
+.PHONY: demo test lint venv engines clean
 
 venv: $(STAMP)
 
@@ -43,7 +43,10 @@ $(ESTAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/kvpool demo
 
-test: $(STAMP) $(ESTAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) $(ESTAMP) lint
 	$(BIN)/python -m pytest -q tests --ignore=tests/engines
 	$(EBIN)/python -m pytest -q tests/engines
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from functools import partial
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # its cluster is loopback-only
@@ -80,27 +81,27 @@ class SoakClient:
                 z = min(int(self.rng.zipf(1.3)) - 1, len(self.convs) - 1)
                 tenant, tokens = self.convs[-1 - z]  # recent conversations return more often
                 keys = self._keys(tenant, tokens)
-                hit = timed("lookup", lambda: self.c.lookup(keys))
+                hit = timed("lookup", partial(self.c.lookup, keys))
                 if hit is not None and hit.count:
-                    got = timed("get", lambda: self.c.get(tenant, keys, hit)) or []
+                    got = timed("get", partial(self.c.get, tenant, keys, hit)) or []
                     chunks_read += len(got)
                     wrong += sum(not np.array_equal(g, truth(keys[j], self.nb)) for j, g in enumerate(got))
                 more = self.rng.integers(0, 32000, SPEC.chunk_tokens)
                 tokens = np.concatenate([tokens, more])
                 k2 = self._keys(tenant, tokens)
-                timed("put", lambda: self.c.put(tenant, k2[-1:], [truth(k2[-1], self.nb)],
-                                                first_position=len(k2) - 1))
+                timed("put", partial(self.c.put, tenant, k2[-1:], [truth(k2[-1], self.nb)],
+                                     first_position=len(k2) - 1))
                 self.convs[-1 - z] = (tenant, tokens)
             elif r < 0.9:
                 tenant = self.tenants[int(self.rng.integers(len(self.tenants)))]
                 tokens = self.rng.integers(0, 32000, SPEC.chunk_tokens * int(self.rng.integers(2, 6)))
                 keys = self._keys(tenant, tokens)
-                timed("put", lambda: self.c.put(tenant, keys, [truth(k, self.nb) for k in keys]))
+                timed("put", partial(self.c.put, tenant, keys, [truth(k, self.nb) for k in keys]))
                 self.convs.append((tenant, tokens))
                 self.convs = self.convs[-200:]
             else:
                 tokens = self.rng.integers(0, 32000, SPEC.chunk_tokens * 3)
-                timed("lookup", lambda: self.c.lookup(self._keys(self.tenants[0], tokens)))
+                timed("lookup", partial(self.c.lookup, self._keys(self.tenants[0], tokens)))
         return {"latency_ms": lat, "errors": errors, "wrong_bytes": wrong, "chunks_read": chunks_read}
 
     def close(self) -> None:

@@ -108,9 +108,12 @@ def format_table(rows: list[dict]) -> str:
     for name in dict.fromkeys(r["model"] for r in rows):
         rs = [r for r in rows if r["model"] == name]
 
-        def span(key):
-            lo, hi = min(r[key] for r in rs), max(r[key] for r in rs)
-            return f"{lo:.2f}-{hi:.2f}x"
-        lines.append(f"{name:<13} {rs[0]['context']:>7} {span('held_bytes_ratio'):>15} {span('cache_bytes_ratio'):>11} "
-                     f"{span('prefill_ratio'):>11} {span('decode_ratio'):>12} {span('pool_bytes_ratio'):>27}")
+        lines.append(f"{name:<13} {rs[0]['context']:>7} {_span(rs, 'held_bytes_ratio'):>15} "
+                     f"{_span(rs, 'cache_bytes_ratio'):>11} {_span(rs, 'prefill_ratio'):>11} "
+                     f"{_span(rs, 'decode_ratio'):>12} {_span(rs, 'pool_bytes_ratio'):>27}")
     return "\n".join(lines)
+
+
+def _span(rows: list[dict], key: str) -> str:
+    lo, hi = min(r[key] for r in rows), max(r[key] for r in rows)
+    return f"{lo:.2f}-{hi:.2f}x"

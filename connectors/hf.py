@@ -23,7 +23,13 @@ import torch
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds, text_config
 from kvpool.connectors.pools import check_config, open_pool, spec_for
-from kvpool.connectors.weights import config_fields, check_given, files_fingerprint, local_checkpoint, tensors_fingerprint
+from kvpool.connectors.weights import (
+    check_given,
+    config_fields,
+    files_fingerprint,
+    local_checkpoint,
+    tensors_fingerprint,
+)
 from kvpool.errors import BadRequest, KvPoolError
 
 log = logging.getLogger("kvpool.connectors.hf")

@@ -54,8 +54,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
 from kvpool.connectors.pools import open_pool, spec_for
-from kvpool.connectors.vllm_meta import (PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, salt_key,
-                                         split_config, tenant_ids)
+from kvpool.connectors.vllm_meta import (
+    PARAM_TENANT,
+    PoolStepMeta,
+    PoolWorkerMeta,
+    ReqStep,
+    salt_key,
+    split_config,
+    tenant_ids,
+)
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.connectors.weights import weights_of_folder
 from kvpool.errors import BadRequest

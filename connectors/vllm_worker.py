@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from kvpool.connectors.vllm_meta import PoolStepMeta, PoolWorkerMeta, cdiv
 from kvpool.connectors.vllm_layout import copier_for
+from kvpool.connectors.vllm_meta import PoolStepMeta, PoolWorkerMeta, cdiv
 from kvpool.errors import BadRequest
 
 log = logging.getLogger("kvpool.connectors.vllm")

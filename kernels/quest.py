@@ -51,7 +51,7 @@ def page_minmax_ref(k: torch.Tensor, page_size: int = 16) -> tuple[torch.Tensor,
 def page_bound_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """PyTorch reference of :func:`page_bound`."""
     B, Hq, D = q.shape
-    Hkv, P = kmin.shape[1], kmin.shape[2]
+    Hkv = kmin.shape[1]
     G = Hq // Hkv
     qf = q.float().view(B, Hkv, G, 1, D)
     bound = torch.maximum(qf * kmax[:, :, None], qf * kmin[:, :, None]).sum(dim=-1)  # [B, Hkv, G, P]

@@ -17,13 +17,25 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from conftest import make_keys, make_store, payload, snapshot
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_keys, make_store, payload, snapshot
 from kvpool import (
-    BadRequest, ChunkKey, ChunkStore, ChunkTooLarge, KVSpec, KvPoolError, LayoutMismatch, Namespace, QuotaExceeded,
-    StoreConfig, Tenant, TenantRegistry, UnknownTenant, chunk_keys,
+    BadRequest,
+    ChunkKey,
+    ChunkStore,
+    ChunkTooLarge,
+    KvPoolError,
+    KVSpec,
+    LayoutMismatch,
+    Namespace,
+    QuotaExceeded,
+    StoreConfig,
+    Tenant,
+    TenantRegistry,
+    UnknownTenant,
+    chunk_keys,
 )
 from kvpool.index import EmbeddedIndex, IndexEntry
 from kvpool.index.redis_index import RedisIndex
@@ -718,7 +730,7 @@ def test_decoding_garbage_is_a_400_or_a_valid_entry_never_a_crash(raw):
         assert "malformed index entry" in err.message and KEYS[0].hex() in err.message
         return
     except KvPoolError as err:  # pragma: no cover - the assertion says what went wrong
-        raise AssertionError(f"decode raised {type(err).__name__}, not BadRequest: {err}")
+        raise AssertionError(f"decode raised {type(err).__name__}, not BadRequest: {err}") from err
     # it happened to be a well-formed entry: then it must survive a round trip (created 0 means now)
     d = IndexEntry.decode(KEYS[0], e.encode())
     assert (d.shard, d.tier, d.nbytes, d.tenant, d.checksum) == (e.shard, e.tier, e.nbytes, e.tenant, e.checksum)

@@ -11,10 +11,10 @@ import re
 from fractions import Fraction
 
 import pytest
+from conftest import OwnRedis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import OwnRedis
 from kvpool import BadRequest
 from kvpool.cli import _SIZE_UNITS, main, parse_size, parse_tenant
 from kvpool.index.redis_index import RedisIndex

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import ray
+from conftest import make_keys, payload, scrape_metrics
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -16,7 +17,6 @@ from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import CONTROLLER
 from kvpool.cluster.ring import HashRing
-from conftest import make_keys, payload, scrape_metrics
 
 PAGE = 4096
 TIMEOUT = 2.0

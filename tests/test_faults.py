@@ -9,13 +9,14 @@ import json
 import os
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
 import ray
+from conftest import OwnRedis, make_keys, payload
 from ray.cluster_utils import Cluster
 
-from conftest import OwnRedis, make_keys, payload
 from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import CONTROLLER
@@ -109,7 +110,7 @@ class Traffic:
         n = 0
         while not self._stop.is_set():
             ks = make_keys(4, seed=10_000 + n)
-            self._time(lambda: self.client.put("a", ks, [truth(i) for i in range(4)]))
+            self._time(partial(self.client.put, "a", ks, [truth(i) for i in range(4)]))
             n += 1
 
     def __enter__(self):

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import IN_CI, shared_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -655,7 +654,7 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
     assert f"http://rel-kvpool-dashboard.{NAMESPACE}.svc.cluster.local:8265" in notes
     assert f"kubectl -n {NAMESPACE} port-forward svc/rel-kvpool-dashboard 8265" in notes
     assert f"kubectl -n {NAMESPACE} logs -f job/rel-kvpool-up-r1" in notes
-    assert f"get secret rel-kvpool-redis -o jsonpath='{{.data.redis-password}}'" in notes
+    assert "get secret rel-kvpool-redis -o jsonpath='{.data.redis-password}'" in notes
     vllm, sglang = _engine_lines(notes)
     env = {"KVPOOL_REDIS_PASSWORD": "S3cretPw"}
     words = _shell_words(vllm, env)

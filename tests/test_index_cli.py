@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
+from kvpool import BadRequest
 from kvpool.bench import index as bench_index
 from kvpool.cli import parse_size
-from kvpool import BadRequest
 
 
 def kvpool(*args, env=None, check=True):

@@ -5,11 +5,11 @@ import time
 import uuid
 
 import pytest
+from conftest import make_keys
 
 from kvpool import BadRequest, QuotaExceeded, UnknownTenant
 from kvpool.index import MAX_LOOKUP, EmbeddedIndex, IndexEntry
 from kvpool.index.redis_index import RedisIndex
-from conftest import make_keys
 
 
 class Clock:

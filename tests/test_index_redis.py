@@ -9,13 +9,13 @@ import uuid
 
 import numpy as np
 import pytest
+from conftest import OwnRedis, make_keys, payload
 
 from kvpool import Tenant, TenantRegistry, Unavailable
 from kvpool.errors import KvPoolError
 from kvpool.index import IndexEntry
 from kvpool.index.redis_index import RedisIndex, redact
 from kvpool.store import ChunkStore, StoreConfig
-from conftest import OwnRedis, make_keys, payload
 
 KEYS = make_keys(64, seed=99)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import zoo
+
 from kvpool.connectors.families import UnsupportedModel
 from kvpool.connectors.hf import HFConnector, _cache_argument
 from kvpool.connectors.pools import close_local_pools

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import ray
-
 from conftest import free_port, make_keys, payload, scrape_metrics
 
 PAGE = 4096
@@ -71,9 +70,8 @@ def test_connectors_report_their_break_even_to_kvpool_stats(pool):
     from kvpool.cluster.ops import format_stats
     from kvpool.cluster.pool import ClusterPool
     from kvpool.connectors.hf import HFConnector, model_spec, tiny_llama
-    from kvpool.tenants import Tenant
-
     from kvpool.errors import LayoutMismatch
+    from kvpool.tenants import Tenant
 
     with pytest.raises(LayoutMismatch, match="page size >= 65536"):  # 64 KiB chunks, 4 KiB pages
         ClusterPool(model_spec(tiny_llama(0), model_id="obs/big", chunk_tokens=32), pool, [Tenant("a")])

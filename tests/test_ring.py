@@ -1,10 +1,10 @@
 from collections import Counter
 
 import pytest
+from conftest import make_keys
 
 from kvpool import BadRequest
 from kvpool.cluster.ring import HashRing
-from conftest import make_keys
 
 KEYS = make_keys(20000, chunk_tokens=1, seed=4)
 

@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import make_keys, make_store, payload
 
 from kvpool import BadRequest, ChunkStore, KVSpec, PoolFull, QuotaExceeded, StoreConfig, Tenant, TenantRegistry
 from kvpool.errors import RequestCancelled
 from kvpool.health import HealthMonitor, judge
 from kvpool.pool import LocalPool
-from conftest import make_keys, make_store, payload
 
 
 def store_with(tenants, pages=4, **config):

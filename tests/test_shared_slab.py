@@ -6,11 +6,11 @@ import os
 
 import numpy as np
 import pytest
+from conftest import make_keys, payload
 
 from kvpool import BadRequest, ChunkStore, QuotaExceeded, StoreConfig, Tenant, TenantRegistry
 from kvpool.checksum import checksum, copy_with_checksum
 from kvpool.slab import Slab
-from conftest import make_keys, payload
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import shared_data
 
 from kvpool import BadRequest
 from kvpool.bench import concurrency
@@ -10,7 +11,6 @@ from kvpool.sim.replay import belady, infinite, replay
 from kvpool.sim.run import parse_capacities, parse_policies
 from kvpool.sim.trace import load_mooncake
 from kvpool.sim.workloads import generate
-from conftest import shared_data
 
 
 @pytest.fixture(scope="module")

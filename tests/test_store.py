@@ -3,11 +3,16 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import make_keys, make_store, payload, snapshot
 
 from kvpool import (
-    BadRequest, ChunkTooLarge, PoolFull, QuotaExceeded, Tenant, UnknownTenant,
+    BadRequest,
+    ChunkTooLarge,
+    PoolFull,
+    QuotaExceeded,
+    Tenant,
+    UnknownTenant,
 )
-from conftest import make_keys, make_store, payload, snapshot
 
 
 def test_put_get_round_trip_and_batched_forms():
@@ -248,7 +253,7 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes():
     errors = []
 
     def writer(offset):
-        for r in range(20):
+        for _ in range(20):
             for i in range(offset, 32, 2):
                 try:
                     s.put(keys[i], payload(i, 4096), "a")
@@ -256,7 +261,7 @@ def test_concurrent_readers_and_writers_never_see_wrong_bytes():
                     pass
 
     def reader():
-        for r in range(40):
+        for _ in range(40):
             for i in range(32):
                 got = s.get(keys[i], "a")
                 if got is not None and not np.array_equal(got, payload(i, 4096)):

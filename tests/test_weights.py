@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-
 import zoo
+
 from kvpool.connectors import weights as W
 from kvpool.connectors.hf import HFConnector
 from kvpool.connectors.pools import close_local_pools

@@ -32,7 +32,6 @@ from kvpool.errors import PoolFull
 from kvpool.policies import NO_PARENT, TIERED_MEMORY, Access, make_policy, policy_names
 from kvpool.progress import Progress
 
-
 # Not a pool policy: the engine frees a turn's KV when the turn ends (nothing is reused).
 NO_CACHE = "no-cache"
 
@@ -123,7 +122,7 @@ def simulate(policy: str, n: int, setup: Setup) -> dict:
         total = prompt + answer
         sys_full = sys_len[s.tenant] // ct
 
-        def key(i: int) -> tuple:
+        def key(i: int, s=s, sys_full=sys_full, total=total) -> tuple:
             if i < sys_full:
                 return ("sys", s.tenant, i)
             if (i + 1) * ct <= total:

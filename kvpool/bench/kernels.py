@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -37,7 +38,7 @@ def _timer(device: torch.device):
 
 
 def run(device: str | None = None, context: int = 32768, reps: int = 5, progress: bool = True) -> dict:
-    from kvpool.kernels import gather, quantize, dequantize, scatter, score, vllm_layout
+    from kvpool.kernels import dequantize, gather, quantize, scatter, score, vllm_layout
     from kvpool.kernels.quant import FORMATS
     from kvpool.kernels.scoring import METHODS
 
@@ -64,9 +65,9 @@ def run(device: str | None = None, context: int = 32768, reps: int = 5, progress
         nbytes = dst.numel() * dst.element_size()
         t_copy = timed(lambda: dst.copy_(src), reps * 4)
         bar.advance()
-        t_gather = timed(lambda: gather(cache, slots, layout, out=dst, impl=impl), reps * 4)
+        t_gather = timed(partial(gather, cache, slots, layout, out=dst, impl=impl), reps * 4)
         bar.advance()
-        t_scatter = timed(lambda: scatter(src, cache, slots, layout, impl=impl), reps * 4)
+        t_scatter = timed(partial(scatter, src, cache, slots, layout, impl=impl), reps * 4)
         bar.advance()
         out |= {"chunk_bytes": nbytes, "copy_gbps": nbytes / t_copy / 1e9,
                 "gather_gbps": nbytes / t_gather / 1e9, "scatter_gbps": nbytes / t_scatter / 1e9,
@@ -75,8 +76,8 @@ def run(device: str | None = None, context: int = 32768, reps: int = 5, progress
         quant = {}
         for fmt in FORMATS:
             q = quantize(dst, fmt, impl=impl, **({"residual": 0} if "kivi" in fmt else {}))
-            tq = timed(lambda: quantize(dst, fmt, impl=impl, **({"residual": 0} if "kivi" in fmt else {})), reps)
-            td = timed(lambda: dequantize(q, impl=impl), reps)
+            tq = timed(partial(quantize, dst, fmt, impl=impl, **({"residual": 0} if "kivi" in fmt else {})), reps)
+            td = timed(partial(dequantize, q, impl=impl), reps)
             quant[fmt] = {"quantize_gbps": nbytes / tq / 1e9, "dequantize_gbps": nbytes / td / 1e9,
                           "ratio": nbytes / q.nbytes}
             bar.advance()
@@ -87,7 +88,7 @@ def run(device: str | None = None, context: int = 32768, reps: int = 5, progress
         scoring = {}
         for m in METHODS:
             params = {"layer": 0, "num_layers": 32} if m == "pyramidkv" else {}
-            scoring[m] = timed(lambda: score(m, qs, ks, impl=impl, **params), max(2, reps // 2)) * 1e3
+            scoring[m] = timed(partial(score, m, qs, ks, impl=impl, **params), max(2, reps // 2)) * 1e3
             bar.advance()
         out["score_ms"] = scoring
         out["context"] = context

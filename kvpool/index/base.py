@@ -277,5 +277,5 @@ class Index(ABC):
     def events(self, after: str = "0-0", count: int = 1000) -> list[Event]:
         """Stored/removed events after the event id ``after`` (oldest first)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a backend with nothing to release keeps it
         pass

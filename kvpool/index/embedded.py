@@ -14,8 +14,22 @@ from collections.abc import Callable, Sequence
 
 from kvpool.errors import BadRequest, QuotaExceeded, UnknownTenant
 from kvpool.index.base import (
-    MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_address, check_entries, check_event_query,
-    check_keys, check_lookup_keys, check_max_events, check_name, check_priority, check_quota, check_ttl,
+    MISS,
+    Event,
+    Index,
+    IndexEntry,
+    PrefixHit,
+    TenantInfo,
+    check_address,
+    check_entries,
+    check_event_query,
+    check_keys,
+    check_lookup_keys,
+    check_max_events,
+    check_name,
+    check_priority,
+    check_quota,
+    check_ttl,
 )
 from kvpool.keys import ChunkKey
 from kvpool.tenants import UNLIMITED

@@ -23,8 +23,22 @@ from redis.retry import Retry
 
 from kvpool.errors import BadRequest, QuotaExceeded, Unavailable, UnknownTenant
 from kvpool.index.base import (
-    MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo, check_address, check_entries, check_event_query,
-    check_keys, check_lookup_keys, check_max_events, check_name, check_priority, check_quota, check_ttl,
+    MISS,
+    Event,
+    Index,
+    IndexEntry,
+    PrefixHit,
+    TenantInfo,
+    check_address,
+    check_entries,
+    check_event_query,
+    check_keys,
+    check_lookup_keys,
+    check_max_events,
+    check_name,
+    check_priority,
+    check_quota,
+    check_ttl,
 )
 from kvpool.index.redis_keys import Keys
 from kvpool.index.redis_lua import PUBLISH, REMOVE

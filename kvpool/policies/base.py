@@ -231,7 +231,7 @@ class Policy(ABC):
                 return out
         return []
 
-    def skip(self, slot: int) -> None:
+    def skip(self, slot: int) -> None:  # noqa: B027 - optional hook, a no-op for scanning policies
         """The cache could not evict ``slot`` or anything under it just now (its suffix is in use):
         do not offer it first again. Queue policies rotate it; scanning ones need nothing."""
 

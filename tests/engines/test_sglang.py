@@ -293,7 +293,7 @@ def _child_main(out_path: str) -> None:
 
     for layout in LAYOUTS:
         @check(f"factory_and_register[{layout}]")
-        def _():
+        def _(layout=layout):
             host = make_host(layout)
             cfg = storage_config(extra_config(pool="f"), layout=layout)
             backend = StorageBackendFactory.create_backend("dynamic", cfg, host)
@@ -303,7 +303,7 @@ def _child_main(out_path: str) -> None:
             assert backend.spec.chunk_shape == (L, 2, PAGE, H, D) and backend.spec.dtype == LAYOUTS[layout]
 
         @check(f"generic_roundtrip[{layout}]")
-        def _():
+        def _(layout=layout):
             # SGLang's generic path: flat pages from host.get_data_page, read into
             # host.get_dummy_flat_data_page(), written back with host.set_from_flat_data_page
             host = make_host(layout)
@@ -328,7 +328,7 @@ def _child_main(out_path: str) -> None:
             assert same(backend.get(more[0], host.get_dummy_flat_data_page()), page_bytes(host, 6))
 
         @check(f"batch_exists_leading_run[{layout}]")
-        def _():
+        def _(layout=layout):
             host = make_host(layout)
             backend = make_backend(host, "e")
             keys = page_keys(5)
@@ -342,7 +342,7 @@ def _child_main(out_path: str) -> None:
             assert backend.batch_exists(keys) == 4
 
         @check(f"v1_roundtrip[{layout}]")
-        def _():
+        def _(layout=layout):
             host = make_host(layout)
             backend = make_backend(host, "v")
             keys = page_keys(3)
@@ -371,7 +371,7 @@ def _child_main(out_path: str) -> None:
             assert backend.get_stats().prefetch_pgs == []
 
         @check(f"v1_any_slots[{layout}]")
-        def _():
+        def _(layout=layout):
             # pages on slots that are not an aligned run (SGLang's allocator never hands those out)
             # go through kvpool.kernels.paged; the result is the same KV, token for token
             host = make_host(layout)
@@ -388,7 +388,7 @@ def _child_main(out_path: str) -> None:
             assert torch.equal(gather(host.kv_buffer, back, kvl), want)
 
         @check(f"misses[{layout}]")
-        def _():
+        def _(layout=layout):
             host = make_host(layout)
             backend = make_backend(host, "m")
             keys = page_keys(2)
@@ -401,7 +401,7 @@ def _child_main(out_path: str) -> None:
             assert same(host.kv_buffer, before)
 
         @check(f"bad_input[{layout}]")
-        def _():
+        def _(layout=layout):
             host = make_host(layout)
             backend = make_backend(host, "b")
             keys = page_keys(2)

@@ -10,19 +10,23 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from conftest import need_engines
 
 need_engines("vllm")
 
 import torch  # noqa: E402
+from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from kvpool.connectors.vllm import KVPoolConnector  # noqa: E402
-from kvpool.connectors.vllm_bench import (make_engine, measure_ttft, scheduler_connector,  # noqa: E402
-                                          shutdown_engine, worker_connector)
+from kvpool.connectors.vllm_bench import (  # noqa: E402
+    make_engine,
+    measure_ttft,
+    scheduler_connector,
+    shutdown_engine,
+    worker_connector,
+)
 from kvpool.errors import BadRequest  # noqa: E402
-from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 
 CHUNK = 64  # two vLLM blocks of 32
 POOL = {"backend": "local", "pool": "test-vllm", "chunk_tokens": CHUNK, "dram_mib": 64,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import IN_CI
 
 try:

@@ -12,17 +12,15 @@ reproducible) are refused at engine start with the reason.
 
 from __future__ import annotations
 
-
 import pytest
-
 from conftest import need_engines
 
 need_engines("vllm")
 
 import torch  # noqa: E402
+import zoo  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-import zoo  # noqa: E402
 from kvpool.connectors.breakeven import BreakEven  # noqa: E402
 from kvpool.connectors.families import CROSS_ENGINE, UnsupportedModel  # noqa: E402
 from kvpool.connectors.hf import HFConnector  # noqa: E402
