@@ -152,6 +152,3 @@ class Controller:
                 continue
             log.info("controller: adopted shard %s from the index", s)
             self.register(s, info)
-
-    def stop(self) -> None:
-        self._stop.set()

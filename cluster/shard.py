@@ -210,8 +210,6 @@ class ShardActor:
         """Pins chunks held here (warm-up), up to the policy's pinned cap; how many."""
         return self.store.pin(_keys(keys), tenant)
 
-    def contains(self, keys, tenant: str) -> list[bool]:
-        return self.store.contains_many(_keys(keys), tenant)
 
     def remove(self, keys, tenant: str) -> int:
         n = self.store.remove_many(_keys(keys), tenant)

@@ -49,5 +49,3 @@ class PageAllocator:
     def nbytes(self) -> int:
         return self._free.nbytes + self._used.nbytes
 
-    def in_use(self, page: int) -> bool:
-        return bool(self._used[page])

@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvpool.errors import BadRequest, KvPoolError
+from kvpool.policies import describe_policies
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -286,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dram-pages", type=int, default=16, help="DRAM pages per shard (default 16)")
     u.add_argument("--disk-dir", help="directory of a disk tier")
     u.add_argument("--disk-pages", type=int, default=0)
-    u.add_argument("--policy", default="default", help="eviction policy of every shard (default: adaptive)")
+    u.add_argument("--policy", default="default",
+                   help=f"eviction policy of every shard (default: adaptive). {describe_policies()}")
     u.add_argument("--tenant", action="append", default=[],
                    help="a tenant to serve, id[:quota[:priority]] (repeat); a known tenant keeps its quota unless given")
     u.set_defaults(func=_up)

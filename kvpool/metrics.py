@@ -7,7 +7,6 @@ a dict lookup and an add: cheap enough for the hot path.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 
@@ -67,7 +66,6 @@ class Metrics:
     """The pool's metric registry. Attribute access by name: ``metrics.hits_chunks.inc(1, "a")``."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self._metrics: dict[str, Metric] = {}
         for name, kind, help_, labels in _DEFINITIONS:
             self._metrics[name] = Metric(name, kind, help_, labels)

@@ -65,3 +65,13 @@ def test_bench_ttft_hf_loads_the_prefix_and_keeps_the_output():
     assert row["loaded_tokens"] == 1023  # 4 chunks loaded, cut before the last token (computed for logits)
     assert row["same_output"] is True
     assert row["warm_ttft_s"] < row["cold_ttft_s"]
+
+
+def test_up_help_describes_every_eviction_policy():
+    from kvpool.cli import build_parser
+    from kvpool.policies import registry
+
+    up = next(a for a in build_parser()._subparsers._group_actions[0].choices["up"]._actions
+              if "--policy" in a.option_strings)
+    for name, cls in registry().items():
+        assert cls.description and f"{name}: {cls.description}" in up.help

@@ -44,6 +44,11 @@ def policy_names() -> list[str]:
     return sorted(registry()) + [TIERED_MEMORY]
 
 
+def describe_policies() -> str:
+    """One line per policy, ``name: what it evicts first`` (for ``--help``)."""
+    return "; ".join(f"{name}: {cls.description}" for name, cls in sorted(registry().items()))
+
+
 def policy_class(name: str) -> type[Policy]:
     reg = registry()
     if name == "default":
@@ -60,5 +65,5 @@ def make_policy(name: str, capacity: int, residency: Residency, **params) -> Pol
 
 __all__ = [
     "NO_PARENT", "TIERED_MEMORY", "TIERED_MEMORY_SPLIT", "Access", "DEFAULT_POLICY", "Policy", "Residency",
-    "make_policy", "policy_class", "policy_names", "registry",
+    "describe_policies", "make_policy", "policy_class", "policy_names", "registry",
 ]

@@ -67,15 +67,6 @@ class ImportancePolicy(Policy):
             self.pos[last] = i
         self.pos[slot] = -1
 
-    def score(self, slot: int) -> float:
-        age = self.clock - self.last[slot]
-        s = (1 + self.hits[slot]) / (1 + age / self.tau)
-        s *= 1 + self.res.depth[slot] * self.attention_cost
-        s *= 0.5 + self.attention[slot]
-        if self.generated[slot]:
-            s *= self.generated_weight
-        return s
-
     def victims(self) -> list[int]:
         members, n = self.members, len(self.members)
         if n == 0:
@@ -87,7 +78,8 @@ class ImportancePolicy(Policy):
         else:
             rand = self.rng.random
             candidates = [members[int(rand() * n)] for _ in range(self.sample)]
-        # Inlined score(): this loop is the policy's hot path.
+        # score = (1 + hits) / (1 + age / tau) x (1 + depth x cost) x (0.5 + attention), x the
+        # generated weight for generated chunks; inlined: this loop is the policy's hot path.
         clock, tau, hits, last, att, gen = self.clock, self.tau, self.hits, self.last, self.attention, self.generated
         depth, cost, gw = self.res.depth, self.attention_cost, self.generated_weight
         best, best_score = None, float("inf")
