@@ -40,6 +40,13 @@ _RAY_FAIL = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.e
              ray.exceptions.RayTaskError, ray.exceptions.ObjectLostError)
 
 
+def _raise_own_429(e: Exception) -> None:
+    """A tenant's own 429 (spent quota) reaches the caller, on every write path; every other
+    failure of a write is a future miss."""
+    if isinstance(e, KvPoolError) and e.status == 429:
+        raise e
+
+
 @dataclass
 class ClusterRequest:
     """A request in flight across shards: the request id each shard gave its leases."""
@@ -178,10 +185,11 @@ class PoolClient:
 
     # ---------------------------------------------------------------- writes
     def put(self, tenant: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
-            first_position: int = 0) -> int:
+            first_position: int = 0, request: "ClusterRequest | None" = None) -> int:
         """Stores each chunk on its owner (and ``replicas - 1`` more shards); how many copies were
         stored. Failures are logged and counted, not raised (a chunk not stored is a future miss),
-        except a tenant's own 429."""
+        except a tenant's own 429. With ``request`` (from ``begin``) the new chunks stay leased on
+        their shards until the request ends, as the in-process pool keeps them."""
         arrays = [as_byte_array(p) for p in payloads]
         groups: dict[str, list[int]] = {}
         with self._lock:
@@ -193,11 +201,13 @@ class PoolClient:
         pending = []
         for sid, idx in groups.items():
             ks = [bytes(keys[i]) for i in idx]
+            rid = self._request_on(sid, request)
             if sid in self._slabs:
-                stored += self._put_local(sid, tenant, ks, [arrays[i] for i in idx], shared, first_position + idx[0])
+                stored += self._put_local(sid, tenant, ks, [arrays[i] for i in idx], shared, first_position + idx[0],
+                                          rid)
             else:
                 ref = self.transport.send(self._handles[sid], ks, [arrays[i] for i in idx], tenant, shared,
-                                          first_position + idx[0])
+                                          first_position + idx[0], rid)
                 pending.append((sid, ref))
         for sid, ref in pending:
             try:
@@ -212,13 +222,29 @@ class PoolClient:
                 log.warning("client: put to shard %s failed (%s)", sid, type(e).__name__)
         return stored
 
+    def _request_on(self, sid: str, request: "ClusterRequest | None") -> int | None:
+        """The request's id on shard ``sid``, begun there (leasing nothing yet) the first time the
+        request writes to it; None without a request, or when the shard does not answer in time
+        (the write goes on, unleased)."""
+        if request is None or sid not in self._handles:
+            return None
+        rid = request.shard_requests.get(sid)
+        if rid is None:
+            try:
+                rid = request.shard_requests[sid] = ray.get(self._handles[sid].begin.remote([], request.tenant),
+                                                            timeout=self.timeout_s)
+            except _RAY_FAIL:
+                self.counts["begin_failed"] += 1
+        return rid
+
     def _put_local(self, sid: str, tenant: str, keys: list[bytes], arrays: list[np.ndarray], shared: bool,
-                   first_position: int) -> int:
+                   first_position: int, request_id: int | None = None) -> int:
         h = self._handles[sid]
         try:
             hid, places = ray.get(h.reserve.remote(keys, [a.shape[0] for a in arrays], tenant, shared, None,
-                                                   first_position), timeout=self.timeout_s)
-        except _RAY_FAIL:
+                                                   first_position, request_id), timeout=self.timeout_s)
+        except _RAY_FAIL as e:
+            _raise_own_429(e)
             self.counts["put_failed"] += 1
             return 0
         buf = self._slabs[sid].buf
@@ -231,7 +257,8 @@ class PoolClient:
             n = ray.get(h.commit.remote(hid, committed, sums), timeout=self.timeout_s)
             self.counts["put_shm"] += 1
             return n
-        except _RAY_FAIL:
+        except _RAY_FAIL as e:
+            _raise_own_429(e)  # the index refused to publish past the tenant's quota
             self.counts["put_failed"] += 1
             return 0
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from kvpool.errors import BadRequest, LayoutMismatch, UnknownTenant
-from kvpool.keys import ChunkKey, Namespace, chunk_keys
-from kvpool.pool import torch_dtype
+from kvpool.codec import ChunkCodec
+from kvpool.errors import LayoutMismatch, UnknownTenant
+from kvpool.keying import KeyMaker
+from kvpool.keys import ChunkKey, Namespace, as_keys
 from kvpool.spec import KVSpec
-from kvpool.tenants import SHARED_SALT, Tenant
+from kvpool.tenants import Tenant
 
 
 class ClusterPool:
@@ -27,22 +28,25 @@ class ClusterPool:
             )
         self.spec = spec
         self.client = client
+        self.codec = ChunkCodec(spec)
         self._salts = {t.id: t.salt for t in tenants}
-        self._fp = spec.fingerprint()
+        self._keys = KeyMaker(spec, self._salt)
+
+    def _salt(self, tenant: str) -> bytes:
+        if tenant not in self._salts:
+            raise UnknownTenant(tenant)
+        return self._salts[tenant]
+
+    def _check_tenant(self, tenant: str) -> None:
+        self._salt(tenant)  # bad input fails before anything is read or written, as in LocalPool
 
     def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
                   extra_keys: Sequence[str | bytes] = ()) -> Namespace:
-        if not shared and tenant not in self._salts:
-            raise UnknownTenant(tenant)
-        if isinstance(extra_keys, (str, bytes)):
-            raise BadRequest("extra_keys is a list of strings or bytes; wrap a single one: [key]")
-        salt = SHARED_SALT if shared else self._salts[tenant]
-        return Namespace(salt, self._fp, adapter_id, tuple(extra_keys))
+        return self._keys.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
              extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
-        ns = self.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
-        return chunk_keys(tokens, ns, self.spec.chunk_tokens)
+        return self._keys.keys(tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of chunks the index lists (one round trip)."""
@@ -65,14 +69,36 @@ class ClusterPool:
         return self.client.pin(tenant, keys)
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
-        dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
-        return [torch.from_numpy(a).view(dtype).reshape(shape) for a in self.client.get(tenant, keys)]
+        """The leading run of chunks that are stored and verify; a payload of another size than
+        this spec's chunk ends the run (a miss, as in LocalPool)."""
+        self._check_tenant(tenant)
+        out = []
+        for data in self.client.get(tenant, as_keys(keys)):
+            kv = self.codec.decode(data)
+            if kv is None:
+                break
+            out.append(kv)
+        return out
+
+    def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator["OwnedChunk"]:
+        """:meth:`load` as views, the surface LocalPool gives (here each one owns its bytes, which
+        came over the network: releasing it frees nothing)."""
+        return iter([OwnedChunk(kv) for kv in self.load(tenant, keys)])
 
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
              shared: bool = False, request=None) -> int:
-        payloads = [c.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for c in chunks]
-        return self.client.put(tenant, list(keys[start : start + len(chunks)]), payloads, shared=shared,
-                               first_position=start)
+        """Stores the chunks of ``keys[start:]``; with ``request`` they stay leased until it ends.
+        Every chunk is checked before anything is written."""
+        self._check_tenant(tenant)
+        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
+            raise LayoutMismatch(f"chunks must be a list of KV tensors, got {type(chunks).__name__}: wrap one in [chunk]")
+        keys = as_keys(keys)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start + len(chunks) > len(keys):
+            raise LayoutMismatch(f"{len(chunks)} chunks from position {start!r} but only {len(keys)} keys: only whole "
+                                 "chunks are keyed")
+        payloads = [self.codec.encode(c) for c in chunks]
+        return self.client.put(tenant, keys[start : start + len(chunks)], payloads, shared=shared,
+                               first_position=start, request=request)
 
     def stats(self) -> dict:
         """The shards' stats summed into one store-shaped dict."""
@@ -97,6 +123,24 @@ class ClusterPool:
                 for label, v in st["metrics"][m].items():
                     total["metrics"][m][label] = total["metrics"][m].get(label, 0) + v
         return total
+
+
+class OwnedChunk:
+    """A loaded chunk with :class:`kvpool.pool.KVView`'s surface (``kv``, ``release``, ``with``)."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    def release(self) -> None:
+        """Nothing to give back: the chunk owns its bytes."""
+
+    def __enter__(self) -> "OwnedChunk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import ray
 
-from kvpool.errors import BadRequest, KvPoolError
+from kvpool.errors import BadRequest, KvPoolError, QuotaExceeded
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
 from kvpool.store import ChunkStore, StoreConfig
@@ -121,7 +121,14 @@ class ShardActor:
         """Publishes the committed chunks among ``keys`` (bytes are in place)."""
         entries = self.store.index_entries(self.shard_id, keys)
         if entries:
-            self.index.publish(entries)
+            try:
+                self.index.publish(entries)
+            except QuotaExceeded:
+                # NOTE: the index charges the tenant's quota across every shard and published
+                # nothing; bytes it will never list would hold the tenant's pages past its quota.
+                for tenant in {e.tenant for e in entries}:
+                    self.store.remove_many([e.key for e in entries if e.tenant == tenant], tenant)
+                raise
         self._forget_gone()
 
     def info(self) -> dict:
@@ -134,11 +141,12 @@ class ShardActor:
         return {"published": r.published, "removed": r.removed}
 
     # ---------------------------------------------------------------- same node (shared memory)
-    def reserve(self, keys, sizes, tenant: str, shared: bool = False, parent=None, first_position: int = 0):
+    def reserve(self, keys, sizes, tenant: str, shared: bool = False, parent=None, first_position: int = 0,
+                request_id: int | None = None):
         self._maybe_stall()
         hid, places = self.store.reserve(_keys(keys), list(sizes), tenant, shared=shared,
                                          parent=None if parent is None else ChunkKey(bytes(parent)),
-                                         first_position=first_position)
+                                         first_position=first_position, request=self._request(request_id, tenant))
         return hid, [(bytes(p.key), p.offset, p.nbytes) for p in places]
 
     def commit(self, hold_id: int, keys, checksums) -> int:
@@ -167,6 +175,13 @@ class ShardActor:
         self._requests[req.id] = (req, time.monotonic() + self.request_ttl_s)
         return req.id
 
+    def _request(self, request_id: int | None, tenant: str):
+        """The request in flight a write joins (its chunks stay leased until it ends); None for a
+        request this shard does not know (expired, begun before a restart) or another tenant's:
+        the write goes on, unleased."""
+        entry = self._requests.get(request_id) if request_id is not None else None
+        return None if entry is None or entry[0].cancelled or entry[0].tenant != tenant else entry[0]
+
     def end(self, request_id: int) -> bool:
         """Ends a request; False when it was unknown (expired, or the shard restarted)."""
         entry = self._requests.pop(request_id, None)
@@ -185,12 +200,13 @@ class ShardActor:
                 self.end(rid)
 
     # ---------------------------------------------------------------- other nodes (bytes over Ray)
-    def put(self, keys, payloads, tenant: str, shared: bool = False, parent=None, first_position: int = 0) -> int:
+    def put(self, keys, payloads, tenant: str, shared: bool = False, parent=None, first_position: int = 0,
+            request_id: int | None = None) -> int:
         self._maybe_stall()
         keys = _keys(keys)
         stored = self.store.put_many(keys, payloads, tenant, shared=shared,
                                      parent=None if parent is None else ChunkKey(bytes(parent)),
-                                     first_position=first_position)
+                                     first_position=first_position, request=self._request(request_id, tenant))
         self._publish([k for k, s in zip(keys, stored) if s])
         return sum(stored)
 

@@ -25,7 +25,7 @@ class Transport(Protocol):
     name: str
 
     def send(self, shard, keys: list[bytes], arrays: Sequence[np.ndarray], tenant: str, shared: bool,
-             first_position: int): ...
+             first_position: int, request_id: int | None = None): ...
 
     def fetch(self, shard, keys: list[bytes], tenant: str): ...
 
@@ -37,8 +37,8 @@ class RayObjectTransport:
 
     name = "ray"
 
-    def send(self, shard, keys, arrays, tenant, shared, first_position):
-        return shard.put.remote(keys, list(arrays), tenant, shared, None, first_position)
+    def send(self, shard, keys, arrays, tenant, shared, first_position, request_id=None):
+        return shard.put.remote(keys, list(arrays), tenant, shared, None, first_position, request_id)
 
     def fetch(self, shard, keys, tenant):
         return shard.get.remote(keys, tenant)

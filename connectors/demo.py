@@ -104,7 +104,7 @@ def _run(model, pool, names: list[str], conversations: int, turns: int, progress
                 s["cold_ttft_s"].append(cold.seconds)
                 s["warm_ttft_s"].append(warm.seconds)
             bar.advance(note=r.tenant)
-    stats = pool.store.stats() if hasattr(pool, "store") else pool.stats()
+    stats = pool.stats()
     return {"tenants": per_tenant, "verified_requests": int(verified), "worst_relative_diff": worst,
             "store": stats, "spec": pool.spec.to_dict(), "where": where, "breakeven": conn.breakeven.stats()}
 

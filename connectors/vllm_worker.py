@@ -35,22 +35,6 @@ from kvpool.errors import BadRequest
 log = logging.getLogger("kvpool.connectors.vllm")
 
 
-class _Held:
-    """A chunk the pool copied out, seen like a LocalPool's view (``kv``, ``with``): nothing to
-    release."""
-
-    __slots__ = ("kv",)
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = kv
-
-    def __enter__(self) -> "_Held":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
 @dataclass
 class _Req:
     tenant: str
@@ -171,17 +155,12 @@ class PoolWorker:
         of new pages per 4K load of the bench model: 16K minor page faults, 36 ms, where the
         in-place read takes 2.4 ms with none). In one engine whose allocator had warmed up
         (medians of 15 warm loads): pool read 6.6 -> 2.9 ms, whole load 18.7 -> 15.3 ms.
-        Other pools (Ray) copy, as before.
+        A Ray pool's views own the bytes that came over the network.
         NOTE: reading chunk j+1 in a helper thread while chunk j is scattered was slower (load
         16.3 ms against 14.8 ms, same run): xxhash holds the GIL, torch's copy already uses both
         cores, and the hand-offs cost more than the 2-3 ms of verification they would hide."""
         keys = req.keys[c0:c1]
         t0 = time.perf_counter()
-        if not hasattr(self.pool, "load_views"):
-            chunks = self.pool.load(req.tenant, keys)
-            self._add("load_pool_us", int((time.perf_counter() - t0) * 1e6))
-            yield from enumerate(_Held(x) for x in chunks)
-            return
         views = self.pool.load_views(req.tenant, keys)
         pool_s = 0.0
         try:

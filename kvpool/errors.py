@@ -23,6 +23,19 @@ class KvPoolError(Exception):
     def __str__(self) -> str:
         return f"[{self.status}] {self.message}"
 
+    def __reduce__(self):
+        # NOTE: subclasses take their own constructor arguments, so the default pickling (calling
+        # the class with ``args``) fails for them, and a 429 raised in a shard reached the client
+        # as a deserialization error: rebuild from the fields instead.
+        return _rebuild, (type(self), self.__dict__.copy())
+
+
+def _rebuild(cls: type[KvPoolError], fields: dict) -> KvPoolError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, fields.get("message", ""))
+    err.__dict__.update(fields)
+    return err
+
 
 class BadRequest(KvPoolError, ValueError):
     """The input is malformed; the message says what to change."""

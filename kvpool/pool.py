@@ -11,23 +11,15 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kvpool.codec import ChunkCodec, torch_dtype
 from kvpool.errors import BadRequest, LayoutMismatch
-from kvpool.keys import ChunkKey, Namespace, as_keys, chunk_keys
+from kvpool.keying import KeyMaker
+from kvpool.keys import ChunkKey, Namespace, as_keys
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
-from kvpool.tenants import SHARED_SALT, TenantRegistry
+from kvpool.tenants import TenantRegistry
 
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-
-
-def torch_dtype(spec: KVSpec) -> torch.dtype:
-    return _TORCH_DTYPES[spec.dtype]
+__all__ = ["KVView", "LocalPool", "torch_dtype"]
 
 
 class KVView:
@@ -67,7 +59,8 @@ class LocalPool:
             )
         self.spec = spec
         self.store = store
-        self._fingerprint = spec.fingerprint()
+        self.codec = ChunkCodec(spec)
+        self._keys = KeyMaker(spec, lambda tenant: self.tenants.get(tenant).salt)
 
     @classmethod
     def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, **config) -> "LocalPool":
@@ -80,17 +73,11 @@ class LocalPool:
 
     def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
                   extra_keys: Sequence[str | bytes] = ()) -> Namespace:
-        if not isinstance(shared, bool):
-            raise BadRequest(f"shared must be True or False, got {shared!r}")
-        if isinstance(extra_keys, (str, bytes)):
-            raise BadRequest(f"extra_keys is a sequence of str or bytes: wrap one key in a list, [{extra_keys!r}]")
-        salt = SHARED_SALT if shared else self.tenants.get(tenant).salt
-        return Namespace(salt, self._fingerprint, adapter_id, tuple(extra_keys))
+        return self._keys.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
              extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
-        ns = self.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
-        return chunk_keys(tokens, ns, self.spec.chunk_tokens)
+        return self._keys.keys(tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of resident chunks."""
@@ -103,23 +90,7 @@ class LocalPool:
 
     def check_chunk(self, kv: torch.Tensor) -> None:
         """Raises LayoutMismatch unless ``kv`` is one whole raw chunk of this spec."""
-        spec = self.spec
-        want_dtype = torch_dtype(spec)
-        if not isinstance(kv, torch.Tensor):
-            raise LayoutMismatch(f"a KV chunk must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.dtype != want_dtype:
-            raise LayoutMismatch(f"KV chunk dtype {kv.dtype} does not match the spec's {want_dtype}: convert it first")
-        if tuple(kv.shape) != spec.chunk_shape:
-            if kv.dim() == 5 and kv.shape[2] < spec.chunk_tokens and tuple(kv.shape[:2]) + tuple(kv.shape[3:]) == (
-                spec.chunk_shape[:2] + spec.chunk_shape[3:]
-            ):
-                raise LayoutMismatch(
-                    f"partial chunk of {kv.shape[2]} tokens: only whole chunks of {spec.chunk_tokens} tokens are stored"
-                )
-            raise LayoutMismatch(
-                f"KV chunk shape {tuple(kv.shape)} does not match the spec's [layers, 2, chunk_tokens, "
-                f"kv_heads, head_dim] = {spec.chunk_shape}"
-            )
+        self.codec.check(kv)
 
     def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None) -> ActiveRequest:
         """A request starts: the leading run of its cached chunks is leased until ``end``."""
@@ -145,9 +116,7 @@ class LocalPool:
             raise LayoutMismatch(
                 f"{len(chunks)} chunks from position {start} but only {len(keys)} keys: only whole chunks are keyed"
             )
-        for c in chunks:
-            self.check_chunk(c)
-        payloads = [c.detach().cpu().contiguous() for c in chunks]
+        payloads = [self.codec.encode(c) for c in chunks]  # every chunk checked before anything is written
         n = len(keys)
         access = self.store.new_access(n, n, start)
         parent = keys[start - 1] if start else None
@@ -162,14 +131,12 @@ class LocalPool:
         self.tenants.index(tenant)  # bad input fails before any chunk is read or counted
         keys = as_keys(keys)
         out: list[torch.Tensor] = []
-        dtype, shape = torch_dtype(self.spec), self.spec.chunk_shape
         m = self.store.metrics
-        nbytes = self.spec.chunk_nbytes
         for key in keys:
-            buf = torch.empty(shape, dtype=dtype)
+            buf = self.codec.empty()
             got = self.store.get_many([key], tenant, [buf], touch=False)[0]
-            if got is None or got.shape[0] != nbytes:  # NOTE: a payload of another size is not a chunk of
-                break  # this spec (written through the bare store): a miss, never a half-filled tensor
+            if got is None or got.shape[0] != self.codec.nbytes:  # another size: not a chunk of this spec, a miss
+                break
             out.append(buf)
         hit_tokens = len(out) * self.spec.chunk_tokens
         if hit_tokens:
@@ -244,6 +211,10 @@ class LocalPool:
             if pin:
                 pinned += self.store.pin(keys[: len(chunks)], tenant)
         return stored, pinned
+
+    def stats(self) -> dict:
+        """The store's stats (the cluster pool sums its shards' into the same shape)."""
+        return self.store.stats()
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Pins resident chunks (warm-up), up to the policy's pinned cap; how many."""

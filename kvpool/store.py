@@ -192,6 +192,13 @@ def _as_list(name: str, value: object) -> list:
     return list(value)
 
 
+def _check_request(request: object) -> None:
+    if request is not None:
+        if not isinstance(request, ActiveRequest):
+            raise BadRequest(f"request must come from begin(), got {type(request).__name__}")
+        request.check()
+
+
 @dataclass(slots=True)
 class _Hold:
     kind: str  # "read" | "write"
@@ -202,6 +209,7 @@ class _Hold:
     shared: bool = False
     charged: int = 0
     access: Access | None = None
+    request: ActiveRequest | None = None  # a write's chunks stay leased with it after the commit
 
 
 class ChunkStore(CacheHooks):
@@ -275,10 +283,7 @@ class ChunkStore(CacheHooks):
         Either keeps the chunks stored before it, which are valid, and refunds the rest. Chunks
         written for a ``request`` stay leased until it ends.
         """
-        if request is not None:
-            if not isinstance(request, ActiveRequest):
-                raise BadRequest(f"request must come from begin(), got {type(request).__name__}")
-            request.check()
+        _check_request(request)
         t_idx = self.tenants.index(tenant)
         keys = as_keys(keys)
         payloads = _as_list("payloads", payloads)
@@ -408,8 +413,8 @@ class ChunkStore(CacheHooks):
     # ------------------------------------------------------------------ other processes' copies
 
     def reserve(self, keys: Sequence[ChunkKey], sizes: Sequence[int], tenant: str, *, shared: bool = False,
-                parent: ChunkKey | None = None, first_position: int = 0, ttl_s: float = 30.0
-                ) -> tuple[int, list[Placement]]:
+                parent: ChunkKey | None = None, first_position: int = 0, ttl_s: float = 30.0,
+                request: ActiveRequest | None = None) -> tuple[int, list[Placement]]:
         """Makes room for consecutive chunks that another process on this node will copy into the
         DRAM slab itself: a hold id and a placement per new chunk, in order (chunks already
         resident are skipped; the run stops where the policy declines). The quota is charged now
@@ -430,6 +435,7 @@ class ChunkStore(CacheHooks):
             if n > self.config.page_bytes:
                 raise ChunkTooLarge(f"a chunk of {n} B does not fit a page of {self.config.page_bytes} B: "
                                     "store smaller chunks or configure a larger page_bytes")
+        _check_request(request)
         cache = self._cache
         with self._lock:
             new_bytes = sum(n for k, n in zip(keys, sizes) if k not in cache.index)
@@ -439,7 +445,7 @@ class ChunkStore(CacheHooks):
                 self.metrics.rejected_quota.inc(1, tenant)
                 raise
             access = self.new_access(first_position + len(keys), first_position + len(keys), first_position)
-            hold = _Hold("write", [], time.monotonic() + ttl_s, t_idx, [], shared, new_bytes, access)
+            hold = _Hold("write", [], time.monotonic() + ttl_s, t_idx, [], shared, new_bytes, access, request)
             hid = next(self._requests)
             self._holds[hid] = hold
             out: list[Placement] = []
@@ -492,6 +498,9 @@ class ChunkStore(CacheHooks):
                 self.metrics.puts.inc(1, tenant)
                 self.metrics.put_bytes.inc(nb, tenant)
             self._cache.access(done, hold.access)
+            if hold.request is not None and not hold.request.cancelled:
+                hold.request.nodes.extend(done)  # their leases pass to the request, until it ends
+                hold.nodes = hold.nodes[len(done):]
             self._end_hold(hold_id)
             return len(done)
 

@@ -1,0 +1,161 @@
+"""One contract for both pools: every case runs on the in-process ``LocalPool`` and on a
+``ClusterPool`` over a real 2-node Ray cluster, and must give the same results (hits, misses,
+payloads of the wrong size, requests in flight, quotas, tenants, bad input)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import wait_for
+
+from kvpool import KVSpec, Tenant, TenantRegistry
+from kvpool.errors import KvPoolError, LayoutMismatch, UnknownTenant
+from kvpool.pool import LocalPool
+from kvpool.protocol import Pool
+
+SPEC = KVSpec("contract/model", 2, 2, 8, dtype="float32", block_size=8, chunk_tokens=8)
+TENANTS = [Tenant("a"), Tenant("b"), Tenant("tight", quota_bytes=SPEC.chunk_nbytes + 1)]
+PAGES = 64
+
+
+@pytest.fixture(scope="module")
+def cluster_pool():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kvpool.cluster.bootstrap import up
+    from kvpool.cluster.client import PoolClient
+    from kvpool.cluster.pool import ClusterPool
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address, namespace="kvpool-contract")
+    up(store={"page_bytes": SPEC.chunk_nbytes, "dram_pages": PAGES},
+       tenants=[{"id": t.id, "quota_bytes": t.quota_bytes} for t in TENANTS], ttl_s=2.0)
+    client = PoolClient(timeout_s=5.0)
+    yield ClusterPool(SPEC, client, TENANTS)
+    client.close()
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(params=["local", "cluster"])
+def pool(request) -> Pool:
+    if request.param == "local":
+        return LocalPool.create(SPEC, TenantRegistry(list(TENANTS)), PAGES)
+    return request.getfixturevalue("cluster_pool")
+
+
+_prompts = iter(range(10**6))
+
+
+def prompt(chunks: int, extra: int = 3) -> np.ndarray:
+    """Tokens no other test of the module uses (the cluster pool lives for the module)."""
+    base = next(_prompts) * 10_000
+    return np.arange(base, base + chunks * SPEC.chunk_tokens + extra)
+
+
+def kv(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SPEC.chunk_shape, generator=g) for _ in range(n)]
+
+
+def raw_put(pool, tenant: str, keys, arrays) -> None:
+    """Bytes written under keys without the pool's spec (another layout, or a bug)."""
+    if isinstance(pool, LocalPool):
+        pool.store.put_many(keys, arrays, tenant)
+    else:
+        pool.client.put(tenant, keys, arrays)
+
+
+def leased(pool) -> int:
+    return sum(t["leased_pages"] for t in pool.stats()["tiers"].values())
+
+
+def test_both_pools_follow_the_protocol(pool):
+    assert isinstance(pool, Pool)
+
+
+def test_saved_chunks_come_back_bit_for_bit_as_the_leading_run(pool):
+    tokens = prompt(3)
+    keys = pool.keys("a", tokens)
+    chunks = kv(3, seed=1)
+    assert len(keys) == 3 and pool.save("a", keys, chunks) == 3
+    assert pool.lookup("a", keys) == 3 * SPEC.chunk_tokens
+    assert all(torch.equal(x, y) for x, y in zip(pool.load("a", keys), chunks, strict=True))
+    views = list(pool.load_views("a", keys))
+    assert len(views) == 3
+    for view, want in zip(views, chunks, strict=True):
+        with view:
+            assert torch.equal(view.kv, want)
+    diverged = tokens.copy()
+    diverged[2 * SPEC.chunk_tokens] += 1  # the third chunk differs: a run of two
+    other = pool.keys("a", diverged)
+    assert pool.lookup("a", other) == 2 * SPEC.chunk_tokens and len(pool.load("a", other)) == 2
+
+
+def test_a_miss_is_an_empty_run_and_another_tenant_always_misses(pool):
+    keys = pool.keys("a", prompt(2))
+    assert pool.lookup("a", keys) == 0 and pool.load("a", keys) == [] and list(pool.load_views("a", keys)) == []
+    pool.save("a", keys, kv(2, seed=2))
+    assert pool.keys("b", prompt(0)) == [] and pool.lookup("b", pool.keys("b", np.arange(16))) == 0
+    theirs = pool.keys("b", np.arange(10**8, 10**8 + 16))
+    assert pool.load("b", keys) == []  # a's keys read as b: nothing (tenants never see each other's)
+    assert theirs != keys[: len(theirs)]
+
+
+def test_a_payload_of_another_size_is_a_miss_that_ends_the_run(pool):
+    keys = pool.keys("a", prompt(3))
+    pool.save("a", keys[:1], kv(1, seed=3))
+    raw_put(pool, "a", keys[1:2], [np.zeros(SPEC.chunk_nbytes // 2, np.uint8)])
+    pool.save("a", keys, kv(3, seed=3)[2:], start=2)
+    assert len(pool.load("a", keys)) == 1 and len(list(pool.load_views("a", keys))) == 1
+
+
+def test_a_requests_chunks_stay_leased_until_it_ends(pool):
+    """(A cluster's ``end`` is fire and forget: its leases go within a moment, not at once.)"""
+    wait_for(lambda: leased(pool) == 0, 5.0, what="no leases left by earlier reads")
+    keys = pool.keys("a", prompt(3))
+    request = pool.begin("a", keys)
+    assert pool.save("a", keys, kv(3, seed=4), request=request) == 3
+    assert leased(pool) == 3
+    pool.end(request)
+    wait_for(lambda: leased(pool) == 0, 5.0, what="the saved chunks unleased after end")
+    request = pool.begin("a", keys)  # a later request leases the cached run while it loads
+    assert leased(pool) == 3
+    pool.end(request)
+    wait_for(lambda: leased(pool) == 0, 5.0, what="the loaded run unleased after end")
+
+
+def test_a_spent_quota_is_a_429_and_usage_never_passes_it(pool):
+    """NOTE: LocalPool refuses the whole batch; the cluster charges each shard's part when it
+    publishes, so a part on another shard may stay (usage still never passes the quota)."""
+    keys = pool.keys("tight", prompt(2))
+    with pytest.raises(KvPoolError) as e:
+        pool.save("tight", keys, kv(2, seed=5))
+    assert e.value.status == 429
+    assert len(pool.load("tight", keys)) <= 1
+    assert pool.stats()["tenants"]["tight"]["bytes"] <= SPEC.chunk_nbytes + 1
+
+
+def test_bad_input_is_a_typed_error_that_changes_nothing(pool):
+    keys = pool.keys("a", prompt(2))
+    with pytest.raises(UnknownTenant):
+        pool.keys("mallory", prompt(1))
+    with pytest.raises(UnknownTenant):
+        pool.load("mallory", keys)
+    with pytest.raises(UnknownTenant):
+        pool.save("mallory", keys, kv(2, seed=6))
+    good, bad = kv(2, seed=6)
+    with pytest.raises(LayoutMismatch, match="partial chunk"):
+        pool.save("a", keys, [good, bad[:, :, :4]])
+    with pytest.raises(LayoutMismatch, match="dtype"):
+        pool.save("a", keys, [good, bad.half()])
+    with pytest.raises(LayoutMismatch, match="only whole chunks"):
+        pool.save("a", keys, kv(3, seed=6))
+    assert pool.lookup("a", keys) == 0  # the good chunk before the bad one was not written either
