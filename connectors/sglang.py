@@ -25,39 +25,9 @@ dtype, page size) known, so that is where the pool is opened. Host pool layouts 
 ``page_first`` (SGLang's default) and ``page_first_direct`` are supported; ``page_head``,
 ``page_unified``, MLA pools and hybrid (v2, multi-pool) models are refused with a clear error.
 
-Pages and chunks. An SGLang page is ``page_size`` tokens; here one kvpool chunk holds exactly one
-page (the spec's ``chunk_tokens`` is the page size; a config asking for another ``chunk_tokens``
-is refused), in kvpool's canonical layout ``[layers, 2, page_size, kv_heads, head_dim]``. So every
-host layout stores the same bytes for the same page, and a page written through a ``page_first``
-pool reads back correctly into a ``layer_first`` one.
-
-NOTE: a page is a chunk, so the page size sets the per-chunk overhead: measured on a 2-core CPU
-(8 layers, 8 KV heads, head dim 128, bf16, pool full and evicting), one-token pages (32 KiB) cost
-~30 us each (~1 GB/s), 64-token pages (2 MiB) move at 3-4 GB/s. Run SGLang with ``--page-size
-64`` or larger for the L3 tier.
-
-Keys. SGLang names a page by a hex SHA-256 chained over the page's tokens (the chain of the
-request's earlier pages, seeded by the request's ``extra_key`` / ``cache_salt`` when it has one:
-``sglang.srt.mem_cache.utils.storage_namespace_seed``). The backend never sees tokens, so it
-cannot derive kvpool's token keys; instead each page key becomes a ChunkKey
-``xxh3_128(root || page key)``, where ``root`` is the kvpool namespace root
-(``Namespace.root()``) of: the tenant's salt, the spec fingerprint (model, shape, dtype, page
-size), this rank's shard of the model (TP rank/size, PP rank/size, context-parallel rank), and any
-``extra_key`` / ``cache_salt`` the call carries. Because the SGLang key already names its whole
-prefix, so does the ChunkKey, and "how many leading pages exist" stays a leading-run lookup.
-
-NOTE: cross-engine sharing does not reach this path: vLLM and transformers chunks are keyed over
-tokens, SGLang pages over SGLang's hashes, so the same prompt lands in two key spaces. Sharing
-between SGLang instances (of one model, dtype, page size and sharding) works.
-
-Tenants. The tenant is the config's ``tenant`` (default: the first of ``tenants``), or
-``extra_info.extra_info["tenant"]`` when a call carries one. ``extra_info.extra_info["extra_key"]``
-and ``["cache_salt"]`` enter the namespace too. SGLang 0.5.23 passes neither to backends (its
-``HiCacheStorageExtraInfo.extra_info`` is only filled by Mooncake's session linker); it folds the
-salt into the page hashes instead, so salted requests already arrive with disjoint keys. Taking
-the salt into the namespace when it is given closes the hole where a path drops it from the hash
-(tenants would then share pages): the same page key under two salts, or under two tenants, never
-names the same chunk, and the store additionally refuses to show one tenant's chunk to another.
+Pages and keys. One kvpool chunk holds one SGLang page (:mod:`kvpool.connectors.sglang_pages`);
+each SGLang page key becomes a ChunkKey in a namespace of the tenant, the model's weights and
+shape, this rank's shard and the call's salt (:mod:`kvpool.connectors.sglang_keys`).
 
 Misses and failures: a missing page is ``None`` / ``False`` / a shorter leading run, never an
 exception; any failure of the pool on the read path (a timeout, a dead shard, a bad checksum) is
@@ -76,16 +46,13 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvpool.connectors.breakeven import BreakEven
-from kvpool.connectors.families import UnsupportedModel, engine_scope, layer_kinds
 from kvpool.connectors.pools import check_config, open_pool, spec_for
-from kvpool.connectors.weights import local_checkpoint, weights_of_folder
+from kvpool.connectors.sglang_keys import PageKeys, call_context, model_identity
+from kvpool.connectors.sglang_pages import HostPages
 from kvpool.errors import BadRequest, KvPoolError, UnknownTenant
-from kvpool.kernels.layouts import sglang_layout
-from kvpool.kernels.paged import gather, scatter
 from kvpool.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
@@ -97,29 +64,8 @@ SGLANG_KEYS = frozenset({
     "model_weights",  # ours, read here: a name for the weights when model_name is no checkpoint folder
 })
 SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-KEY_SCHEME = b"sglang-page/v1"  # names this key derivation: a change of scheme misses, never collides
-_MAX_KEY_CHARS = 1024
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-
-def model_identity(model_name: str, given: str | None) -> tuple[str, tuple[str, ...], str]:
-    """(weights fingerprint, layer kinds, engine scope) of the model SGLang serves; refuses families
-    this backend does not serve (sliding, chunked or linear-attention layers) and a model it cannot
-    fingerprint."""
-    weights = weights_of_folder(model_name, None, given, engine="SGLang")
-    folder = local_checkpoint(model_name)
-    if folder is None:  # the user named the weights; the layers are MHA pages (checked at registration)
-        return weights, (), "sglang"
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(folder)
-    kinds = layer_kinds(config, engine="kvpool's SGLang backend")
-    windowed = sorted({k for k in kinds if k != "full"})
-    if windowed:
-        # NOTE: not verified against SGLang's hybrid sliding-window pools; refuse rather than guess.
-        raise UnsupportedModel(f"kvpool's SGLang backend: {model_name} has {windowed} layers; the backend serves "
-                               "full-attention MHA models only. Serve it without --hicache-storage-backend kvpool")
-    return weights, kinds, engine_scope(config, "sglang")
+__all__ = ["KVPoolStorage", "SGLANG_KEYS", "SUPPORTED_LAYOUTS", "model_identity"]
 
 
 class KVPoolStorage(HiCacheStorage):
@@ -145,8 +91,8 @@ class KVPoolStorage(HiCacheStorage):
             # after constructing the backend; an operator's explicit 0 keeps the generic path.
             extra.setdefault("interface_v1", 1)
         c = storage_config
-        self._shard = (f"tp={c.tp_rank}/{c.tp_size}", f"pp={c.pp_rank}/{c.pp_size}",
-                       f"cp={c.attn_cp_rank}/{c.attn_cp_size}")
+        self._keys = PageKeys((f"tp={c.tp_rank}/{c.tp_size}", f"pp={c.pp_rank}/{c.pp_size}",
+                               f"cp={c.attn_cp_rank}/{c.attn_cp_size}"))
         self.storage_config = storage_config
         self.model_name = c.model_name or ""
         self.weights, self.layer_kinds, self.engine = model_identity(self.model_name, (extra or {}).get("model_weights"))
@@ -154,11 +100,7 @@ class KVPoolStorage(HiCacheStorage):
         self.pool = None
         self.spec = None
         self.page_size = 0
-        self._layout = None
-        self._flat_shape: tuple[int, ...] = ()
-        self._flat_order: tuple[int, ...] = ()
-        self._capacity = 0
-        self._roots: dict[tuple, bytes] = {}
+        self._pages: Optional[HostPages] = None
         self._lock = threading.Lock()
         self.breakeven = BreakEven()
         self._counts = {"get_pages": 0, "get_hits": 0, "set_pages": 0, "set_stored": 0, "read_errors": 0,
@@ -191,15 +133,7 @@ class KVPoolStorage(HiCacheStorage):
                              layer_kinds=self.layer_kinds, engine=self.engine)
         self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size})
         self.page_size = page_size
-        self._layout = sglang_layout(layout)
-        # A flat page (SGLang's get_data_page / set_from_flat_data_page) in this layout, and the
-        # permutation that turns it into a chunk [L, 2, P, H, D].
-        L, H, P = self.spec.num_layers, self.spec.num_kv_heads, page_size
-        if layout == "page_first":
-            self._flat_shape, self._flat_order = (2, P, L, H, head_dim), (2, 0, 1, 3, 4)
-        else:  # layer_first, page_first_direct
-            self._flat_shape, self._flat_order = (2, L, P, H, head_dim), (1, 0, 2, 3, 4)
-        self._capacity = self._layout.views(host.kv_buffer)[1].capacity
+        self._pages = HostPages(host, layout, self.spec.num_layers, self.spec.num_kv_heads, head_dim, page_size)
         self.mem_pool_host = host
         logger.info("kvpool HiCache backend: %s, %s pages of %d tokens, tenant %r, backend %s", self.model_name,
                     layout, page_size, self.tenant, self.config["backend"])
@@ -211,42 +145,11 @@ class KVPoolStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ keys
 
-    def _context(self, extra_info) -> tuple[str, tuple[str, ...], Optional[str]]:
-        """(tenant, salt parts, parent page key) of a call."""
-        info = getattr(extra_info, "extra_info", None) or {}
-        if not isinstance(info, dict):
-            raise BadRequest(f"extra_info.extra_info must be a dict, got {type(info).__name__}")
-        tenant = info.get("tenant") or self.tenant
-        salt = tuple(f"{name}:{info[name]}" for name in ("extra_key", "cache_salt") if info.get(name) is not None)
-        prefix = getattr(extra_info, "prefix_keys", None)
-        return tenant, salt, (prefix[-1] if prefix else None)
-
-    def _root(self, tenant: str, salt: tuple[str, ...]) -> bytes:
-        root = self._roots.get((tenant, salt))
-        if root is None:
-            if not isinstance(tenant, str):
-                raise BadRequest(f"tenant must be a string, got {type(tenant).__name__}")
-            ns = self.pool.namespace(tenant, extra_keys=(KEY_SCHEME, *self._shard, *salt))
-            root = bytes(ns.root())
-            with self._lock:
-                self._roots[(tenant, salt)] = root
-        return root
-
     def chunk_keys(self, keys: Sequence[str], tenant: Optional[str] = None,
                    salt: tuple[str, ...] = ()) -> list[ChunkKey]:
         """The pool's ChunkKeys of SGLang page keys (in ``tenant``'s namespace, with ``salt``)."""
         self._need_pool()
-        if isinstance(keys, (str, bytes)):
-            raise BadRequest("keys must be a list of page-key strings, not one string")
-        root = self._root(tenant or self.tenant, tuple(salt))
-        digest = xxhash.xxh3_128_digest
-        out = []
-        for k in keys:
-            if not isinstance(k, str) or not k or len(k) > _MAX_KEY_CHARS:
-                raise BadRequest(f"an SGLang page key is a non-empty string (a hex SHA-256) of at most "
-                                 f"{_MAX_KEY_CHARS} chars, got {type(k).__name__} {str(k)[:40]!r}")
-            out.append(ChunkKey(digest(root + b"\x00" + k.encode())))
-        return out
+        return self._keys.chunk_keys(self.pool, keys, tenant or self.tenant, salt)
 
     # ------------------------------------------------------------------ pool access
 
@@ -320,34 +223,6 @@ class KVPoolStorage(HiCacheStorage):
         except Exception:
             return None
 
-    # ------------------------------------------------------------------ flat pages (generic path)
-
-    def _page_numel(self) -> int:
-        return 2 * self.spec.num_layers * self.page_size * self.spec.num_kv_heads * self.spec.head_dim
-
-    def _check_flat(self, t, what: str) -> torch.Tensor:
-        host = self.mem_pool_host
-        if not isinstance(t, torch.Tensor):
-            raise BadRequest(f"{what} must be a tensor (a flat host page), got {type(t).__name__}")
-        if t.numel() != self._page_numel() or t.dtype != host.dtype:
-            raise BadRequest(f"{what} is {t.dtype} with {t.numel()} elements; a page of this host pool is "
-                             f"{host.dtype} with {self._page_numel()} (host_pool.get_dummy_flat_data_page())")
-        return t
-
-    def _flat_to_chunk(self, flat: torch.Tensor) -> torch.Tensor:
-        bits = flat.detach().cpu().view(_BITS[flat.element_size()])  # copies move bits, never values
-        return bits.reshape(self._flat_shape).permute(self._flat_order).contiguous().view(flat.dtype)
-
-    def _chunk_into_flat(self, chunk: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        bits = _BITS[flat.element_size()]
-        src = chunk.view(bits).permute([self._flat_order.index(i) for i in range(5)])  # the inverse
-        dst = flat.view(bits)
-        if dst.is_contiguous():
-            dst.view(self._flat_shape).copy_(src)
-        else:
-            dst.copy_(src.reshape(-1))
-        return flat
-
     # ------------------------------------------------------------------ HiCacheStorage: generic path
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None, *,
@@ -364,13 +239,13 @@ class KVPoolStorage(HiCacheStorage):
         self._need_pool()
         if target_locations is not None and len(target_locations) != len(keys):
             raise BadRequest(f"{len(keys)} keys but {len(target_locations)} target locations")
-        targets = [self._check_flat(t, f"target_locations[{i}]") for i, t in enumerate(target_locations or [])]
-        tenant, salt, _ = self._context(extra_info)
+        targets = [self._pages.check_flat(t, f"target_locations[{i}]") for i, t in enumerate(target_locations or [])]
+        tenant, salt, _ = call_context(extra_info, self.tenant)
         chunks = self._load(tenant, self.chunk_keys(keys, tenant, salt))
         out: list[torch.Tensor | None] = [None] * len(keys)
         for i, chunk in enumerate(chunks):
-            flat = targets[i] if targets else torch.empty(self._page_numel(), dtype=self.mem_pool_host.dtype)
-            out[i] = self._chunk_into_flat(chunk, flat)
+            flat = targets[i] if targets else self._pages.empty_flat()
+            out[i] = self._pages.chunk_into_flat(chunk, flat)
         return out
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -385,10 +260,10 @@ class KVPoolStorage(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise BadRequest(f"{len(keys)} keys but {0 if values is None else len(values)} values: pass one flat "
                              "host page per key")
-        chunks = [self._flat_to_chunk(self._check_flat(v, f"values[{i}]")) for i, v in enumerate(values)]
+        chunks = [self._pages.flat_to_chunk(self._pages.check_flat(v, f"values[{i}]")) for i, v in enumerate(values)]
         if not keys:
             return True
-        tenant, salt, parent_key = self._context(extra_info)
+        tenant, salt, parent_key = call_context(extra_info, self.tenant)
         ckeys = self.chunk_keys(keys, tenant, salt)
         return self._save(tenant, ckeys, chunks, self._parent(tenant, salt, parent_key)) == len(keys)
 
@@ -398,7 +273,7 @@ class KVPoolStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """How many leading pages of ``keys`` the pool holds."""
         self._need_pool()
-        tenant, salt, _ = self._context(extra_info)
+        tenant, salt, _ = call_context(extra_info, self.tenant)
         ckeys = self.chunk_keys(keys, tenant, salt)
         if not ckeys:
             return 0
@@ -415,57 +290,15 @@ class KVPoolStorage(HiCacheStorage):
 
     def _host_slots(self, keys: list[str], host_indices) -> torch.Tensor:
         self._need_pool()
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1 \
-                or host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
-            raise BadRequest("host_indices must be a 1-D integer tensor of host-pool token slots")
-        want = len(keys) * self.page_size
-        if host_indices.numel() != want:
-            raise BadRequest(f"{len(keys)} pages of {self.page_size} tokens need {want} host indices, got "
-                             f"{host_indices.numel()}")
-        if want:
-            lo, hi = (int(x) for x in torch.aminmax(host_indices))
-            if lo < 0 or hi >= self._capacity:
-                raise BadRequest(f"host index {lo if lo < 0 else hi} is out of range: the host pool has slots "
-                                 f"0..{self._capacity - 1}")
-        return host_indices
-
-    def _page_starts(self, slots: torch.Tensor) -> list[Optional[int]]:
-        """Each page's first slot when its slots are one page-aligned run (what SGLang's host
-        allocator hands out), else None: such a page is copied slot by slot by kvpool.kernels.paged."""
-        P = self.page_size
-        s = slots.to(torch.int64).view(-1, P)
-        starts = s[:, 0]
-        whole = ((s - starts[:, None]) == torch.arange(P)).all(dim=1) & (starts % P == 0)
-        return [a if ok else None for a, ok in zip(starts.tolist(), whole.tolist())]
-
-    def _page_view(self, start: int) -> torch.Tensor:
-        """The host page starting at slot ``start`` as a ``[L, 2, P, H, D]`` view of the host buffer,
-        as raw bits (a copy through it never converts a value)."""
-        kv, P = self.mem_pool_host.kv_buffer, self.page_size
-        kv = kv.view(_BITS[kv.element_size()])
-        variant = self._layout.variant
-        if variant == "layer_first":  # (2, L, size, H, D)
-            return kv[:, :, start:start + P].permute(1, 0, 2, 3, 4)
-        if variant == "page_first":  # (2, size, L, H, D)
-            return kv[:, start:start + P].permute(2, 0, 1, 3, 4)
-        return kv[:, start // P].permute(1, 0, 2, 3, 4)  # page_first_direct: (2, pages, L, P, H, D)
+        return self._pages.check_slots(len(keys), host_indices)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         """Loads the leading run of pages straight into the host pool at ``host_indices``; a True per
         page loaded."""
         slots = self._host_slots(keys, host_indices)
-        tenant, salt, _ = self._context(extra_info)
+        tenant, salt, _ = call_context(extra_info, self.tenant)
         chunks = self._load(tenant, self.chunk_keys(keys, tenant, salt))
-        kv, P = self.mem_pool_host.kv_buffer, self.page_size
-        # NOTE: page by page, with no staging copy of the whole batch. A page on an aligned run of
-        # slots (always, with SGLang's allocator) is one strided copy of a view (~9 GB/s on a
-        # 2-core CPU); the kernels' CPU reference, which host memory gets, indexes slot by slot
-        # (gather ~1-2 GB/s, scatter ~3 GB/s there), so it only takes the other pages.
-        for i, (chunk, start) in enumerate(zip(chunks, self._page_starts(slots))):
-            if start is not None:
-                self._page_view(start).copy_(chunk.view(_BITS[chunk.element_size()]))
-            else:
-                scatter(chunk.to(kv.device), kv, slots[i * P:(i + 1) * P], self._layout)
+        self._pages.write(chunks, slots)
         n = len(chunks)
         return [True] * n + [False] * (len(keys) - n)
 
@@ -475,14 +308,9 @@ class KVPoolStorage(HiCacheStorage):
         slots = self._host_slots(keys, host_indices)
         if not keys:
             return []
-        tenant, salt, parent_key = self._context(extra_info)
+        tenant, salt, parent_key = call_context(extra_info, self.tenant)
         ckeys = self.chunk_keys(keys, tenant, salt)
-        kv, P = self.mem_pool_host.kv_buffer, self.page_size
-        # NOTE: each page copied straight into its own contiguous chunk, which the pool then copies
-        # once into its slab (gathering the batch at once and splitting it costs a copy more)
-        chunks = [self._page_view(start).contiguous().view(kv.dtype) if start is not None
-                  else gather(kv, slots[i * P:(i + 1) * P], self._layout)
-                  for i, start in enumerate(self._page_starts(slots))]
+        chunks = self._pages.read(slots)
         resident = self._save(tenant, ckeys, chunks, self._parent(tenant, salt, parent_key))
         return [i < resident for i in range(len(keys))]
 
@@ -497,7 +325,7 @@ class KVPoolStorage(HiCacheStorage):
     def stats(self) -> dict:
         """Counters of this backend and its measured load bandwidth."""
         return {**self._counts, "tenant": self.tenant, "page_size": self.page_size,
-                "layout": None if self._layout is None else self._layout.variant, **self.breakeven.stats()}
+                "layout": None if self._pages is None else self._pages.layout.variant, **self.breakeven.stats()}
 
     def get_stats(self):
         """SGLang's StorageMetrics since the last call (None when SGLang's metrics module is absent)."""
