@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -31,6 +32,31 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1, what: str = "",
+             ignore: tuple[type[BaseException], ...] = ()) -> float:
+    """Polls ``predicate()`` every ``interval_s`` until it returns something truthy; the seconds
+    that took. After ``timeout_s`` it is an AssertionError saying what it waited for and the last
+    value seen. An exception of ``ignore`` raised by the predicate counts as "not yet" (an actor
+    restarting under it, say) and is the last value seen."""
+    what = what or getattr(predicate, "__name__", repr(predicate))
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    while True:
+        try:
+            last = predicate()
+        except ignore as e:
+            last = e
+        else:
+            if last:
+                return time.monotonic() - t0
+        if time.monotonic() >= deadline:
+            shown = repr(last)
+            if len(shown) > 500:
+                shown = shown[:500] + f"... ({len(shown)} characters)"
+            raise AssertionError(f"waited {timeout_s:g} s for {what}; last value seen: {shown}")
+        time.sleep(interval_s)
 
 
 def need_engines(*modules: str) -> None:
@@ -160,18 +186,14 @@ class OwnRedis:
 
     def start(self):
         import subprocess
-        import time
 
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.tmp, *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while not redis_reachable(port=self.port):
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
+        wait_for(lambda: redis_reachable(port=self.port), 10, interval_s=0.02,
+                 what=f"redis-server to accept connections on port {self.port}")
 
     def kill(self):
         self.proc.kill()
@@ -190,24 +212,28 @@ def own_redis(tmp_path):
 
 
 def scrape_metrics(want: list[str], timeout_s: float = 45) -> str:
-    """The Prometheus text of every alive Ray node, once it holds every string of ``want`` (or
-    what it holds after ``timeout_s``): Ray exports metrics every few seconds."""
-    import time
+    """The Prometheus text of every alive Ray node, once it holds every string of ``want`` (an
+    AssertionError naming the missing ones after ``timeout_s``): Ray exports metrics every few
+    seconds."""
     import urllib.request
 
     import ray
 
     ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
-    deadline, text = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
+    text = ""
+
+    def holds_every_metric() -> bool:
+        nonlocal text
         text = ""
         for port in ports:
             try:
                 text += urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
             except OSError:
                 pass
-        if all(w in text for w in want):
-            break
-        time.sleep(1)
-    return text
+        missing = [w for w in want if w not in text]
+        assert not missing, f"missing {missing} ({len(text)} characters scraped)"
+        return True
 
+    wait_for(holds_every_metric, timeout_s, interval_s=1, ignore=(AssertionError,),
+             what=f"the metrics {want} on the Prometheus endpoints of ports {ports}")
+    return text

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import ray
-from conftest import make_keys, payload, scrape_metrics
+from conftest import make_keys, payload, scrape_metrics, wait_for
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -119,10 +119,8 @@ def test_a_request_in_flight_keeps_its_chunks_on_every_shard_until_it_ends(clien
     handles = dict(client._handles)
     client.end(req)
     assert req.shard_requests == {}
-    deadline = time.monotonic() + 5
-    while any(ray.get(h.requests.remote()) for h in handles.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)  # end is fire and forget
-    assert not any(ray.get(h.requests.remote()) for h in handles.values())
+    wait_for(lambda: not any(ray.get(h.requests.remote()) for h in handles.values()), 5, interval_s=0.05,
+             what="every shard to release the request's leases")  # end is fire and forget
 
 
 def test_adding_a_node_moves_about_a_quarter_of_placements_and_old_data_still_hits(cluster, client):
@@ -133,9 +131,8 @@ def test_adding_a_node_moves_about_a_quarter_of_placements_and_old_data_still_hi
     new = c.add_node(num_cpus=1)
     c.wait_for_nodes()
     up(store={"page_bytes": PAGE, "dram_pages": 256}, tenants=[{"id": "a"}, {"id": "b"}], ttl_s=2.0)
-    deadline = time.monotonic() + 10
-    while len(client.ring) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)  # the client follows the controller's ring by long poll
+    # the client follows the controller's ring by long poll
+    wait_for(lambda: len(client.ring) >= 4, 10, what="the client's ring to take in the new shard")
     assert len(client.ring) == 4
     probe = make_keys(4000, seed=5, chunk_tokens=1)
     moved = sum(before.owners(bytes(k)) != client.ring.owners(bytes(k)) for k in probe) / len(probe)
@@ -180,10 +177,7 @@ def test_draining_a_shard_turns_its_chunks_into_misses_and_takes_it_out_of_the_r
     assert client.lookup(keys).count == first
     got = client.get("a", keys)
     assert len(got) == first and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
-    deadline = time.monotonic() + 10
-    while victim in client.ring.weights and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert victim not in client.ring.weights
+    wait_for(lambda: victim not in client.ring.weights, 10, what=f"the drained shard {victim} to leave the ring")
 
 
 def test_replicas_serve_what_a_dead_shard_held(cluster, client):
@@ -204,14 +198,11 @@ def test_replicas_serve_what_a_dead_shard_held(cluster, client):
     got = rc.get("a", keys, hit)  # the index still names the dead shard: replicas answer
     assert len(got) == 40 and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
     assert rc.counts["get_replica"] >= hit.shards.count(victim)
-    deadline = time.monotonic() + 15  # the controller notices the dead shard and drops it
-    while victim in client.ring.weights and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert victim not in client.ring.weights
+    # the controller notices the dead shard and drops it
+    wait_for(lambda: victim not in client.ring.weights, 15, interval_s=0.2,
+             what=f"the dead shard {victim} to leave the ring")
     # Its index entries are purged; the replicas' periodic reconcile publishes their copies again.
-    deadline = time.monotonic() + 20
-    while rc.lookup(keys).count < 40 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for(lambda: rc.lookup(keys).count >= 40, 20, interval_s=0.5, what="a lookup to find all 40 chunks again")
     hit = rc.lookup(keys)
     assert hit.count == 40 and victim not in hit.shards
     rc.close()
@@ -226,7 +217,7 @@ def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(c
     hit = client.lookup(keys)
     assert victim in hit.shards
     first_lost = hit.shards.index(victim)
-    wrong, slow, lengths = [], [], []
+    wrong, slow, reads = [], [], []  # reads: (when it started, chunks it returned)
     stop = threading.Event()
 
     def reader():
@@ -236,24 +227,28 @@ def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(c
             dt = time.monotonic() - t0
             if dt > TIMEOUT + 1.5:
                 slow.append(dt)
-            lengths.append(len(got))
+            reads.append((t0, len(got)))
             wrong.extend(i for i, g in enumerate(got) if not np.array_equal(g, truth(i)))
 
+    controller = ray.get_actor(CONTROLLER)
     t = threading.Thread(target=reader)
     t.start()
-    time.sleep(0.5)
-    c.remove_node(victim_node, allow_graceful=False)
-    time.sleep(8)
-    stop.set()
-    t.join(timeout=30)
+    try:
+        wait_for(lambda: len(reads) >= 3, 30, what="the reader's first reads, before the node goes")
+        c.remove_node(victim_node, allow_graceful=False)
+        # Traffic runs through the whole failure: the controller drops the dead shard, the index
+        # purges its entries, and a read started after that has come back.
+        wait_for(lambda: victim not in ray.get(controller.state.remote())["shards"], 25, interval_s=0.2,
+                 what=f"the controller to drop the dead shard {victim}")
+        wait_for(lambda: victim not in client.lookup(keys).shards, 15, interval_s=0.2,
+                 what=f"the index to purge the entries of {victim}")
+        settled = time.monotonic()
+        wait_for(lambda: reads[-1][0] > settled, 30, what="a read started after the pool settled")
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive(), "the reader hung"
     assert wrong == [] and slow == []
-    assert lengths[-1] == first_lost  # the run now ends at the first chunk of the dead shard
-    controller = ray.get_actor(CONTROLLER)
-    deadline = time.monotonic() + 15
-    while victim in ray.get(controller.state.remote())["shards"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    assert reads[-1][1] == first_lost  # the run now ends at the first chunk of the dead shard
     assert victim not in ray.get(controller.state.remote())["shards"]
-    deadline = time.monotonic() + 15
-    while victim in client.lookup(keys).shards and time.monotonic() < deadline:
-        time.sleep(0.2)
     assert client.lookup(keys).count == first_lost  # its index entries were purged

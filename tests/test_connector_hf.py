@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import wait_for
 
 from kvpool.connectors.hf import HFConnector, _cache_argument, tiny_llama
 from kvpool.connectors.pools import close_local_pools
@@ -142,14 +143,11 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
         dead = conn.prefill(ids)  # the index still lists the chunks; the load misses
         assert dead.loaded_tokens == 0 and close(dead.logits[0, -1], full)
         assert time.monotonic() - t0 < 30  # no hang: the client's timeout turned it into a miss
-        deadline = time.monotonic() + 30  # the controller drops the dead shard...
-        while pool.client.shards and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not pool.client.shards
+        # the controller drops the dead shard...
+        wait_for(lambda: not pool.client.shards, 30, interval_s=0.2, what="the client to drop the dead shard")
         up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": 64}, tenants=[{"id": "a"}], namespace="kvpool-demo")
-        deadline = time.monotonic() + 30  # ...and a new one joins (the restart)
-        while not pool.client.shards and time.monotonic() < deadline:
-            time.sleep(0.2)
+        # ...and a new one joins (the restart)
+        wait_for(lambda: pool.client.shards, 30, interval_s=0.2, what="a new shard to join")
         assert conn.prefill(ids).saved_chunks == 4  # empty again: recompute, save
         again = conn.prefill(ids)
         assert again.loaded_tokens == 4 * CHUNK and close(again.logits[0, -1], full)

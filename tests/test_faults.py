@@ -14,7 +14,7 @@ from functools import partial
 import numpy as np
 import pytest
 import ray
-from conftest import OwnRedis, make_keys, payload
+from conftest import OwnRedis, make_keys, payload, wait_for
 from ray.cluster_utils import Cluster
 
 from kvpool.cluster.bootstrap import shard_id_of, up
@@ -132,17 +132,8 @@ class Traffic:
         return None
 
 
-def wait_for(cond, timeout_s: float, step: float = 0.2) -> float | None:
-    """Seconds until ``cond()`` holds (an actor restarting under it counts as not yet), or None."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            if cond():
-                return time.monotonic() - t0
-        except (ray.exceptions.RayError, KvPoolError):
-            pass
-        time.sleep(step)
-    return None
+# What a probe of the pool may raise while it settles (an actor restarting under it): "not yet".
+SETTLING = (ray.exceptions.RayError, KvPoolError)
 
 
 def converged(client) -> bool:
@@ -179,10 +170,10 @@ def test_a_stalled_shard_turns_into_misses_within_the_timeout(client):
         time.sleep(4)
         ray.get(shard(victim).inject.remote(stall_s=0), timeout=10)
         cleared = time.monotonic()
-        recovery = wait_for(lambda: tr.first_full_after(cleared) is not None, 20)
+        recovery = wait_for(lambda: tr.first_full_after(cleared) is not None, 20, interval_s=0.2, ignore=SETTLING,
+                            what="a read returning every chunk after the stall cleared")
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK, (tr.wrong, tr.max_s)
     assert any(n == first for _, n in tr.lengths)  # while stalled, the run ended at its chunks
-    assert recovery is not None
     report("stalled shard", ops=tr.ops, wrong_bytes=tr.wrong, max_call_s=round(tr.max_s, 2), timeout_s=TIMEOUT,
            recovery_s=round(recovery, 2))
 
@@ -201,11 +192,12 @@ def test_a_corrupted_payload_is_a_miss_never_wrong_bytes(client):
     got = client.get("a", keys)
     assert len(got) == i and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
     # The shard dropped it and the index forgets it: the next lookup stops there too.
-    assert wait_for(lambda: client.lookup(keys).count == i, 10) is not None
+    wait_for(lambda: client.lookup(keys).count == i, 10, interval_s=0.2, ignore=SETTLING,
+             what=f"the index to forget the corrupted chunk (a lookup of {i} chunks)")
     assert client.put("a", [keys[i]], [truth(i)], first_position=i) == 1  # recomputed and saved again
     got = client.get("a", keys)
     assert len(got) == 20 and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
-    assert wait_for(lambda: converged(client), 15) is not None
+    wait_for(lambda: converged(client), 15, interval_s=0.2, ignore=SETTLING, what="the index to converge")
     report("corrupted payload", ops=3, wrong_bytes=0, detected="checksum at read", recovery="re-put")
 
 
@@ -224,7 +216,7 @@ def test_a_full_shard_refuses_or_evicts_and_never_serves_wrong_bytes(client):
     got = client.get("a", keys)
     assert len(got) == 30 and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))  # leased: kept
     client.end(req)
-    assert wait_for(lambda: converged(client), 15) is not None
+    wait_for(lambda: converged(client), 15, interval_s=0.2, ignore=SETTLING, what="the index to converge")
     report("full shard", puts=len(flood), stored=stored, refused_batches=refused, leased_kept=30, wrong_bytes=0)
 
 
@@ -238,12 +230,11 @@ def test_redis_killed_and_restarted_means_misses_then_hits_again(client, redis):
         down_lengths = [n for _, n in tr.lengths[-5:]]
         redis.start()  # empty: every shard must rejoin and republish what it holds
         restarted = time.monotonic()
-        recovery = wait_for(lambda: tr.first_full_after(restarted) is not None, 30)
+        recovery = wait_for(lambda: tr.first_full_after(restarted) is not None, 30, interval_s=0.2, ignore=SETTLING,
+                            what="a read returning every chunk after Redis restarted")
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK, (tr.wrong, tr.max_s)
     assert down_lengths and max(down_lengths) == 0  # no index: misses, not errors
-    assert recovery is not None
-    converge = wait_for(lambda: converged(client), 30)
-    assert converge is not None
+    converge = wait_for(lambda: converged(client), 30, interval_s=0.2, ignore=SETTLING, what="the index to converge")
     report("Redis killed, restarted empty", ops=tr.ops, wrong_bytes=tr.wrong, max_call_s=round(tr.max_s, 2),
            errors=tr.errors, recovery_s=round(recovery, 2), index_converged_s=round(converge, 2))
 
@@ -262,9 +253,9 @@ def test_a_restarted_controller_adopts_the_shards_and_clients_carry_on(client, r
     with Traffic(client, keys) as tr:
         time.sleep(0.3)
         ray.kill(controller, no_restart=False)  # Ray restarts it, empty
-        adopted = wait_for(adopted_by_the_new_one, 30)
+        adopted = wait_for(adopted_by_the_new_one, 30, interval_s=0.2, ignore=SETTLING,
+                           what="the restarted controller to adopt every shard")
         time.sleep(0.5)
-    assert adopted is not None
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK
     assert all(n == 30 for _, n in tr.lengths)  # the data path never needed the controller
     fresh = PoolClient(index_url=redis.url, timeout_s=TIMEOUT, namespace="kvpool-faults", refresh=False)
@@ -285,10 +276,11 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
     with Traffic(client, keys, writers=True) as tr:
         time.sleep(0.5)
         c.remove_node(victim_node, allow_graceful=False)
-        dropped = wait_for(lambda: victim not in client.shards, 30)
-        purged = wait_for(lambda: not client.index.shard_keys(victim), 30)  # every entry of it, not just the run's
+        dropped = wait_for(lambda: victim not in client.shards, 30, interval_s=0.2, ignore=SETTLING,
+                           what=f"the client to drop the dead shard {victim}")
+        purged = wait_for(lambda: not client.index.shard_keys(victim), 30, interval_s=0.2, ignore=SETTLING,
+                          what=f"the index to purge every entry of {victim}")  # not just the run's
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK, (tr.wrong, tr.max_s)
-    assert dropped is not None and purged is not None
     assert client.lookup(keys).count == first
     # Recompute and save: the victim's chunks go to their new owners (chunks the survivors have
     # evicted meanwhile, under the writers' traffic, are stored again too).
@@ -299,8 +291,7 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
     # earlier tests' chunks, and the re-put may evict an older chunk of this prompt.)
     got = client.get("a", keys)
     assert len(got) > first and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
-    converge = wait_for(lambda: converged(client), 30)
-    assert converge is not None
+    converge = wait_for(lambda: converged(client), 30, interval_s=0.2, ignore=SETTLING, what="the index to converge")
     report("node killed mid-traffic", ops=tr.ops, wrong_bytes=tr.wrong, max_call_s=round(tr.max_s, 2),
            shard_dropped_s=round(dropped, 2), index_purged_s=round(purged + dropped, 2),
            index_converged_s=round(converge, 2), errors=tr.errors)

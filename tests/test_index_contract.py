@@ -13,22 +13,30 @@ from kvpool.index.redis_index import RedisIndex
 
 
 class Clock:
+    """A clock the test moves: the embedded index's TTLs pass without sleeping."""
+
     def __init__(self):
         self.t = 1000.0
 
     def __call__(self):
         return self.t
 
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
 
 @pytest.fixture(params=["embedded", "redis"])
 def index(request):
+    # ``index.sleep(s)``: lets s seconds of the index's clock pass.
     if request.param == "embedded":
-        idx = EmbeddedIndex()
-        idx.sleep = time.sleep
+        clock = Clock()
+        idx = EmbeddedIndex(clock=clock)
+        idx.sleep = clock.advance
         yield idx
         return
     url = request.getfixturevalue("redis_url")
     idx = RedisIndex(url, prefix=f"kvpt{uuid.uuid4().hex[:12]}")
+    # NOTE: a real sleep: the TTL runs on the Redis server's clock, which a test cannot move.
     idx.sleep = time.sleep
     yield idx
     idx.flush()
@@ -158,7 +166,7 @@ def test_membership_ttl_heartbeat_and_purge(index):
     k = make_keys(2)
     index.publish([entry(k[0], shard="s3"), entry(k[1], shard="s1")])
     index.heartbeat("s1", ttl_s=30)
-    index.sleep(0.5)
+    index.sleep(0.5)  # past s3's 0.3 s TTL, well within s1's 30 s (on Redis: real time, kept short)
     assert index.shards()["s3"] is False and index.shards()["s1"] is True
     assert index.purge_dead() == {"s3": 1}
     assert "s3" not in index.shards()

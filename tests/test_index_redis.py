@@ -9,7 +9,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import OwnRedis, make_keys, payload
+from conftest import OwnRedis, make_keys, payload, wait_for
 
 from kvpool import Tenant, TenantRegistry, Unavailable
 from kvpool.errors import KvPoolError
@@ -93,11 +93,18 @@ def test_redis_killed_mid_traffic_means_fast_misses_then_reconcile_restores(own_
 
     t = threading.Thread(target=reader)
     t.start()
-    time.sleep(0.1)
-    own_redis.kill()
-    time.sleep(1.5)
-    stop.set()
-    t.join()
+    try:
+        wait_for(lambda: len(results) >= 3, 10, interval_s=0.01, what="the reader's first lookups")
+        failed = idx.read_errors
+        own_redis.kill()
+        # Lookups through the outage: the first failed read opens the breaker, and two more fail
+        # after it has let them through again (backoff_s=0.3).
+        wait_for(lambda: idx.read_errors >= failed + 3, 10, interval_s=0.05,
+                 what="three failed reads of the dead index")
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive(), "the reader hung"
     assert errors == []
     assert max(latencies) < 0.6  # bounded by the read timeout, never a hang
     assert results[-1] == 0  # misses while the index is down
@@ -107,8 +114,10 @@ def test_redis_killed_mid_traffic_means_fast_misses_then_reconcile_restores(own_
     assert time.monotonic() - t0 < 10 and e.value.status == 503
 
     own_redis.start()  # back, with an empty dataset
-    time.sleep(0.4)  # past the read breaker
-    assert idx.lookup(keys).count == 0
+    # past the read breaker: a ping answered by the server, not a miss from the breaker
+    wait_for(idx.ping, 10, interval_s=0.05, what="the restarted index to answer a ping")
+    hit = idx.lookup(keys)
+    assert hit.count == 0 and hit.error is None  # the empty server's answer, not the breaker's
     idx.add_tenant("a")  # tenants come from the pool's config
     idx.register_shard("node-1", ttl_s=60)
     r = idx.reconcile("node-1", store.index_entries("node-1"))
@@ -176,10 +185,8 @@ def test_tls_connection_with_rediss(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
-        while not redis_reachable(port=port):
-            assert time.monotonic() < deadline, "TLS redis-server did not start"
-            time.sleep(0.02)
+        wait_for(lambda: redis_reachable(port=port), 10, interval_s=0.02,
+                 what=f"the TLS redis-server to accept connections on port {port}")
         idx = RedisIndex(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&ssl_ca_certs={d}/ca.crt")
         idx.add_tenant("a")
         idx.register_shard("s1")

@@ -4,11 +4,9 @@ the dashboard's state API lists the pool's actors."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
-from conftest import free_port, make_keys, payload, scrape_metrics
+from conftest import free_port, make_keys, payload, scrape_metrics, wait_for
 
 PAGE = 4096
 
@@ -84,9 +82,8 @@ def test_connectors_report_their_break_even_to_kvpool_stats(pool):
     assert conn.prefill(ids).loaded_tokens == 4 * 16  # loads: both sides are measured now
     conn.breakeven.maybe_report(conn.pool, "transformers obs", spec.chunk_nbytes // 16, every_s=0)
     controller = ray.get_actor(CONTROLLER, namespace="kvpool-obs")
-    deadline = time.monotonic() + 10
-    while "transformers obs" not in ray.get(controller.reports.remote()) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the report is fire and forget
+    wait_for(lambda: "transformers obs" in ray.get(controller.reports.remote()), 10,
+             what="the controller to hold the engine's report")  # the report is fire and forget
     figures = ray.get(controller.reports.remote())["transformers obs"]
     assert figures["load_gbps"] > 0 and figures["prefill_ms_per_token"] > 0 and figures["loads"] >= 1
     assert figures["load_advantage"] > 1  # loading a token of this model beats computing it

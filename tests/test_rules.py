@@ -1,12 +1,10 @@
 """The production rules around eviction: requests in flight, cancellation, watermarks, warm-up,
 fractional quotas, guaranteed shares and health verdicts."""
 
-import time
-
 import numpy as np
 import pytest
 import torch
-from conftest import make_keys, make_store, payload
+from conftest import make_keys, make_store, payload, wait_for
 
 from kvpool import BadRequest, ChunkStore, KVSpec, PoolFull, QuotaExceeded, StoreConfig, Tenant, TenantRegistry
 from kvpool.errors import RequestCancelled
@@ -99,9 +97,7 @@ def test_background_evictor_keeps_puts_from_waiting():
     try:
         for i in range(9):
             s.put(make_keys(1, seed=i)[0], payload(i), "a")
-        deadline = time.monotonic() + 5
-        while s.occupancy() > 0.5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: s.occupancy() <= 0.5, 5, interval_s=0.01, what="the background evictor to reach 50%")
         assert s.occupancy() == 0.5
     finally:
         s.close()
