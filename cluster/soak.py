@@ -110,20 +110,17 @@ class SoakClient:
 
 def run(seconds: float = 20.0, clients: int = 4, nodes: int = 2, chunk_kib: int = 64, dram_pages: int = 512,
         timeout_s: float = 5.0, progress: bool = True) -> dict:
-    from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from kvpool.cluster.bootstrap import down, up
+    from kvpool.cluster.local import local_cluster
     from kvpool.cluster.shard import shard_name
     from kvpool.progress import Progress
 
     nb = chunk_kib << 10
     tenants = ["a", "b", "c"]
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    workers = [c.add_node(num_cpus=1) for _ in range(nodes - 1)]
     ns = "kvpool-soak"
-    ray.init(address=c.address, namespace=ns, logging_level="ERROR")
-    try:
+    with local_cluster(nodes, namespace=ns, logging_level="ERROR") as (c, workers):
         state = up(store={"page_bytes": nb, "dram_pages": dram_pages}, tenants=[{"id": t} for t in tenants],
                    namespace=ns)
         node_ids = [ray.get_runtime_context().get_node_id()] + [w.node_id for w in workers]
@@ -152,9 +149,6 @@ def run(seconds: float = 20.0, clients: int = 4, nodes: int = 2, chunk_kib: int 
         rss_end = rss_all()
         ray.get([p.close.remote() for p in procs], timeout=60)
         down(namespace=ns)
-    finally:
-        ray.shutdown()
-        c.shutdown()
     lat = {k: [x for r in results for x in r["latency_ms"][k]] for k in ("lookup", "get", "put")}
     errors: dict[str, int] = {}
     for r in results:

@@ -191,7 +191,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
 
 def _bench_datapath(args: argparse.Namespace) -> int:
-    from kvpool.bench import datapath
+    from kvpool.cluster import bench_datapath as datapath
 
     if args.rdt:
         result = datapath.probe_rdt()

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import ray
 from conftest import make_keys, payload, scrape_metrics, wait_for
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import CONTROLLER
+from kvpool.cluster.local import local_cluster
 from kvpool.cluster.ring import HashRing
 
 PAGE = 4096
@@ -27,20 +27,13 @@ def cluster():
     # Ray's workers import this module's actor classes: let them find tests/.
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False,
-        "_system_config": {"health_check_failure_threshold": 2, "health_check_period_ms": 500,
-                           "health_check_initial_delay_ms": 0, "metrics_report_interval_ms": 1000},
-    })
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=c.address, namespace="kvpool-test")
-    assert c.address.startswith("127.0.0.1"), c.address
-    state = up(store={"page_bytes": PAGE, "dram_pages": 256}, tenants=[{"id": "a"}, {"id": "b"}], ttl_s=2.0,
-               controller_interval_s=0.5)
-    assert len(state["shards"]) == 3
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    fast = {"health_check_failure_threshold": 2, "health_check_period_ms": 500, "health_check_initial_delay_ms": 0,
+            "metrics_report_interval_ms": 1000}
+    with local_cluster(3, namespace="kvpool-test", system_config=fast) as (c, nodes):
+        state = up(store={"page_bytes": PAGE, "dram_pages": 256}, tenants=[{"id": "a"}, {"id": "b"}], ttl_s=2.0,
+                   controller_interval_s=0.5)
+        assert len(state["shards"]) == 3
+        yield c, nodes
 
 
 @pytest.fixture(scope="module")

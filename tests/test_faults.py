@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import ray
 from conftest import OwnRedis, make_keys, payload, wait_for
-from ray.cluster_utils import Cluster
 
 from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import CONTROLLER
+from kvpool.cluster.local import local_cluster
 from kvpool.cluster.shard import shard_name
 from kvpool.errors import KvPoolError
 
@@ -37,18 +37,11 @@ def redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(redis):
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False,
-        "_system_config": {"health_check_failure_threshold": 2, "health_check_period_ms": 500,
-                           "health_check_initial_delay_ms": 0},
-    })
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    ray.init(address=c.address, namespace="kvpool-faults")
-    up(store={"page_bytes": PAGE, "dram_pages": 128}, tenants=[{"id": "a"}], index_url=redis.url, ttl_s=1.5,
-       controller_interval_s=0.5, namespace="kvpool-faults")
-    yield c, nodes
-    ray.shutdown()
-    c.shutdown()
+    fast = {"health_check_failure_threshold": 2, "health_check_period_ms": 500, "health_check_initial_delay_ms": 0}
+    with local_cluster(3, namespace="kvpool-faults", system_config=fast) as (c, nodes):
+        up(store={"page_bytes": PAGE, "dram_pages": 128}, tenants=[{"id": "a"}], index_url=redis.url, ttl_s=1.5,
+           controller_interval_s=0.5, namespace="kvpool-faults")
+        yield c, nodes
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ payloads of the wrong size, requests in flight, quotas, tenants, bad input)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -23,25 +21,17 @@ PAGES = 64
 
 @pytest.fixture(scope="module")
 def cluster_pool():
-    import ray
-    from ray.cluster_utils import Cluster
-
     from kvpool.cluster.bootstrap import up
     from kvpool.cluster.client import PoolClient
+    from kvpool.cluster.local import local_cluster
     from kvpool.cluster.pool import ClusterPool
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    ray.init(address=c.address, namespace="kvpool-contract")
-    up(store={"page_bytes": SPEC.chunk_nbytes, "dram_pages": PAGES},
-       tenants=[{"id": t.id, "quota_bytes": t.quota_bytes} for t in TENANTS], ttl_s=2.0)
-    client = PoolClient(timeout_s=5.0)
-    yield ClusterPool(SPEC, client, TENANTS)
-    client.close()
-    ray.shutdown()
-    c.shutdown()
+    with local_cluster(2, namespace="kvpool-contract"):
+        up(store={"page_bytes": SPEC.chunk_nbytes, "dram_pages": PAGES},
+           tenants=[{"id": t.id, "quota_bytes": t.quota_bytes} for t in TENANTS], ttl_s=2.0)
+        client = PoolClient(timeout_s=5.0)
+        yield ClusterPool(SPEC, client, TENANTS)
+        client.close()
 
 
 @pytest.fixture(params=["local", "cluster"])

@@ -5,7 +5,7 @@ cluster, each figure beside its baseline in the same run.
   slab (one copy, verified) -- against a plain in-process copy of the same bytes;
 - cross node: put/get ride Ray between raylets -- against a raw Ray transfer of the same bytes (an
   actor on the other node returning a fresh array).
-Starts and stops its own cluster (``ray.cluster_utils.Cluster``) on the loopback address.
+Starts and stops its own cluster on the loopback address (:func:`kvpool.cluster.local.local_cluster`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # its cluster is loopback-only
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from kvpool.keys import Namespace, chunk_keys  # noqa: E402
-from kvpool.progress import Progress  # noqa: E402
-from kvpool.spec import KVSpec  # noqa: E402
+from kvpool.keys import Namespace, chunk_keys
+from kvpool.progress import Progress
+from kvpool.spec import KVSpec
 
 
 @ray.remote(num_cpus=0)
@@ -32,18 +29,14 @@ class _Source:
 
 
 def run(nodes: int = 2, chunk_mib: int = 32, chunks: int = 4, trials: int = 5, progress: bool = True) -> dict:
-    from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from kvpool.cluster.bootstrap import down, shard_id_of, up
     from kvpool.cluster.client import PoolClient
+    from kvpool.cluster.local import local_cluster
 
     nb = chunk_mib << 20
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                      "object_store_memory": 1 << 30})
-    workers = [c.add_node(num_cpus=1, object_store_memory=1 << 30) for _ in range(nodes - 1)]
-    ray.init(address=c.address, namespace="kvpool-bench")
-    try:
+    with local_cluster(nodes, namespace="kvpool-bench", object_store_memory=1 << 30) as (c, workers):
         up(store={"page_bytes": nb, "dram_pages": chunks * 4}, tenants=[{"id": "bench"}])
         client = PoolClient(timeout_s=60.0)
         here = shard_id_of(client.node_id)
@@ -125,9 +118,6 @@ def run(nodes: int = 2, chunk_mib: int = 32, chunks: int = 4, trials: int = 5, p
         client.close()
         down(namespace="kvpool-bench")
         return out
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @ray.remote(num_cpus=0)
@@ -165,18 +155,15 @@ def run_aggregate(max_nodes: int = 3, chunk_mib: int = 8, chunks: int = 4, round
     """Aggregate put+get throughput with one client per node, all clients at once, as the cluster
     grows from 1 to ``max_nodes`` nodes (one shard each). Keys spread over every shard, so most
     bytes cross nodes."""
-    from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from kvpool.cluster.bootstrap import up
+    from kvpool.cluster.local import local_cluster
 
     nb = chunk_mib << 20
     store = {"page_bytes": nb, "dram_pages": chunks * max_nodes * 2}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                      "object_store_memory": 512 << 20})
-    ray.init(address=c.address, namespace="kvpool-bench")
     rows = []
-    try:
+    with local_cluster(1, namespace="kvpool-bench", object_store_memory=512 << 20) as (c, _):
         nodes = [ray.get_runtime_context().get_node_id()]
         with Progress(max_nodes, "bench datapath --aggregate", enabled=progress) as bar:
             for n in range(1, max_nodes + 1):
@@ -201,16 +188,14 @@ def run_aggregate(max_nodes: int = 3, chunk_mib: int = 8, chunks: int = 4, round
 
         down(namespace="kvpool-bench")
         return rows
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def probe_rdt(chunk_mib: int = 32, trials: int = 3, timeout_s: float = 15.0) -> dict:
     """Ray's direct tensor transport (gloo) between actors on two nodes, beside the object store
     moving the same bytes between the same actors: GB/s of each, or the error RDT gave."""
-    from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvpool.cluster.local import local_cluster
 
     os.environ["RAY_rdt_fetch_fail_timeout_milliseconds"] = str(int(timeout_s * 1000))
     import torch
@@ -240,11 +225,8 @@ def probe_rdt(chunk_mib: int = 32, trials: int = 3, timeout_s: float = 15.0) -> 
                 assert ray.get(src.obj.remote()).shape[0] == nb
             return n * nb / (time.perf_counter() - t0) / 1e9
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    other = c.add_node(num_cpus=1)
-    ray.init(address=c.address)
     out: dict = {"chunk_bytes": nb}
-    try:
+    with local_cluster(2) as (c, (other,)):
         here = ray.get_runtime_context().get_node_id()
         src = Src.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
         dst = Dst.options(scheduling_strategy=NodeAffinitySchedulingStrategy(other.node_id, soft=False)).remote()
@@ -261,9 +243,6 @@ def probe_rdt(chunk_mib: int = 32, trials: int = 3, timeout_s: float = 15.0) -> 
             out["rdt_gloo_gbps"] = None
             out["rdt_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return out
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def format_aggregate(rows: list[dict]) -> str:
