@@ -27,6 +27,7 @@ import ray
 from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
 from kvpool.cluster.controller import CONTROLLER
+from kvpool.cluster.messages import Commit, Get, LeaseReads, Put, Reserve, WireMismatch, Write, check_version
 from kvpool.cluster.ring import HashRing
 from kvpool.cluster.shard import shard_name
 from kvpool.cluster.transport import TRANSPORTS
@@ -41,9 +42,9 @@ _RAY_FAIL = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.e
 
 
 def _raise_own_429(e: Exception) -> None:
-    """A tenant's own 429 (spent quota) reaches the caller, on every write path; every other
-    failure of a write is a future miss."""
-    if isinstance(e, KvPoolError) and e.status == 429:
+    """A tenant's own 429 (spent quota) and a client and shard of different wire versions reach
+    the caller, on every write path; every other failure of a write is a future miss."""
+    if isinstance(e, WireMismatch) or (isinstance(e, KvPoolError) and e.status == 429):
         raise e
 
 
@@ -200,22 +201,22 @@ class PoolClient:
         stored = 0
         pending = []
         for sid, idx in groups.items():
-            ks = [bytes(keys[i]) for i in idx]
-            rid = self._request_on(sid, request)
+            handle = self._handles.get(sid)
+            if handle is None:  # the ring moved on while we placed the batch: a future miss
+                self.counts["put_failed"] += 1
+                continue
+            write = Write([bytes(keys[i]) for i in idx], tenant, shared, first_position + idx[0],
+                          self._request_on(sid, request))
             if sid in self._slabs:
-                stored += self._put_local(sid, tenant, ks, [arrays[i] for i in idx], shared, first_position + idx[0],
-                                          rid)
+                stored += self._put_local(sid, handle, write, [arrays[i] for i in idx])
             else:
-                ref = self.transport.send(self._handles[sid], ks, [arrays[i] for i in idx], tenant, shared,
-                                          first_position + idx[0], rid)
-                pending.append((sid, ref))
+                pending.append((sid, self.transport.send(handle, Put(write, [arrays[i] for i in idx]))))
         for sid, ref in pending:
             try:
                 stored += self.transport.wait(ref, self.timeout_s)
                 self.counts["put_" + self.transport.name] += 1
             except KvPoolError as e:
-                if e.status == 429:
-                    raise
+                _raise_own_429(e)
                 self.counts["put_failed"] += 1
             except _RAY_FAIL as e:
                 self.counts["put_failed"] += 1
@@ -237,24 +238,23 @@ class PoolClient:
                 self.counts["begin_failed"] += 1
         return rid
 
-    def _put_local(self, sid: str, tenant: str, keys: list[bytes], arrays: list[np.ndarray], shared: bool,
-                   first_position: int, request_id: int | None = None) -> int:
-        h = self._handles[sid]
+    def _put_local(self, sid: str, h, write: Write, arrays: list[np.ndarray]) -> int:
+        """Reserve pages in this node's shard, copy into its slab, commit (two round trips)."""
         try:
-            hid, places = ray.get(h.reserve.remote(keys, [a.shape[0] for a in arrays], tenant, shared, None,
-                                                   first_position, request_id), timeout=self.timeout_s)
+            reserved = ray.get(h.reserve.remote(Reserve(write, [a.shape[0] for a in arrays])), timeout=self.timeout_s)
+            check_version(reserved, "this client")
         except _RAY_FAIL as e:
             _raise_own_429(e)
             self.counts["put_failed"] += 1
             return 0
         buf = self._slabs[sid].buf
-        by_key = dict(zip(keys, arrays))
+        by_key = dict(zip(write.keys, arrays))
         sums, committed = [], []
-        for key, off, nb in places:
-            sums.append(copy_with_checksum(buf[off : off + nb], by_key[key]))
-            committed.append(key)
+        for p in reserved.places:
+            sums.append(copy_with_checksum(buf[p.offset : p.offset + p.nbytes], by_key[p.key]))
+            committed.append(p.key)
         try:
-            n = ray.get(h.commit.remote(hid, committed, sums), timeout=self.timeout_s)
+            n = ray.get(h.commit.remote(Commit(reserved.hold_id, committed, sums)), timeout=self.timeout_s)
             self.counts["put_shm"] += 1
             return n
         except _RAY_FAIL as e:
@@ -274,7 +274,7 @@ class PoolClient:
         local = next(iter(self._slabs), None)
         lease_ref = None
         if local is not None and self._handles.get(local) is not None:
-            lease_ref = self._handles[local].lease_reads.remote([bytes(k) for k in keys], tenant, False)
+            lease_ref = self._handles[local].lease_reads.remote(LeaseReads([bytes(k) for k in keys], tenant, False))
         hit = hit if hit is not None else self.index.lookup(keys)
         n = hit.count
         got: dict[int, np.ndarray] = {}
@@ -286,7 +286,7 @@ class PoolClient:
             handle = self._handles.get(sid)
             if handle is None or sid == local:
                 continue  # gone from the ring (misses), or served from the lease below
-            remote.append((sid, idx, self.transport.fetch(handle, [bytes(keys[i]) for i in idx], tenant)))
+            remote.append((sid, idx, self.transport.fetch(handle, Get([bytes(keys[i]) for i in idx], tenant))))
         if lease_ref is not None:
             mine = by_shard.get(local, [])
             got.update(self._read_lease(local, lease_ref, keys, mine, outs))
@@ -294,9 +294,9 @@ class PoolClient:
                 got.update(self._from_replicas(tenant, keys, mine, local))
         for sid, idx, ref in remote:
             try:
-                arrays = self.transport.wait(ref, self.timeout_s)
+                arrays = self._got(self.transport.wait(ref, self.timeout_s))
                 self.counts["get_" + self.transport.name] += 1
-            except _RAY_FAIL as e:
+            except (*_RAY_FAIL, WireMismatch) as e:
                 self.counts["get_failed"] += 1
                 log.warning("client: get from shard %s failed (%s): trying replicas", sid, type(e).__name__)
                 got.update(self._from_replicas(tenant, keys, idx, sid))
@@ -311,6 +311,16 @@ class PoolClient:
                 break
             out.append(got[i])
         return out
+
+    @staticmethod
+    def _got(reply) -> list:
+        """A ``Got``'s arrays, after checking its version (a mismatch is logged: reads never raise)."""
+        try:
+            check_version(reply, "this client")
+        except WireMismatch as e:
+            log.error("client: %s", e)
+            raise
+        return reply.arrays
 
     def _from_replicas(self, tenant: str, keys: Sequence[ChunkKey], idx: list[int], failed: str) -> dict[int, np.ndarray]:
         """Reads positions ``idx`` (in order) from the other owners the ring gives their keys, when
@@ -327,9 +337,9 @@ class PoolClient:
                 if sid == failed or h is None:
                     continue
                 try:
-                    (a,) = self.transport.wait(self.transport.fetch(h, [bytes(keys[i])], tenant),
-                                               self.timeout_s) or [None]
-                except (_RAY_FAIL + (ValueError,)):
+                    (a,) = self._got(self.transport.wait(self.transport.fetch(h, Get([bytes(keys[i])], tenant)),
+                                                         self.timeout_s)) or [None]
+                except (*_RAY_FAIL, ValueError):  # WireMismatch is a ValueError: a miss here too
                     continue
                 if a is not None:
                     out[i] = a
@@ -344,10 +354,14 @@ class PoolClient:
         """Copies the positions ``wanted`` (the index places them on this node's shard) out of the
         leased pages, verifying each; then releases the lease."""
         try:
-            hid, places = ray.get(ref, timeout=self.timeout_s)
-        except _RAY_FAIL:
+            leased = ray.get(ref, timeout=self.timeout_s)
+            check_version(leased, "this client")
+        except (*_RAY_FAIL, WireMismatch) as e:  # reads never raise: a miss (a version mismatch is logged)
+            if isinstance(e, WireMismatch):
+                log.error("client: %s", e)
             self.counts["get_failed"] += 1
             return {}
+        hid, places = leased.hold_id, leased.places
         buf = self._slabs[sid].buf
         out, bad = {}, []
         for i in wanted:
@@ -355,7 +369,7 @@ class PoolClient:
             if p is None:  # listed by the index, not held by the shard: the index is stale
                 self._invalidate(keys[i], sid)
                 break
-            off, nb, cs = p
+            off, nb, cs = p.offset, p.nbytes, p.checksum
             dst = np.empty(nb, dtype=np.uint8) if outs is None else as_byte_array(outs[i], writable=True)[:nb]
             if copy_with_checksum(dst, buf[off : off + nb]) != cs:
                 bad.append(bytes(keys[i]))

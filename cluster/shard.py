@@ -15,9 +15,20 @@ import os
 import threading
 import time
 
-import numpy as np
 import ray
 
+from kvpool.cluster.messages import (
+    Commit,
+    Get,
+    Got,
+    Leased,
+    LeaseReads,
+    Placement,
+    Put,
+    Reserve,
+    Reserved,
+    check_version,
+)
 from kvpool.errors import BadRequest, KvPoolError, QuotaExceeded
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
@@ -141,28 +152,33 @@ class ShardActor:
         return {"published": r.published, "removed": r.removed}
 
     # ---------------------------------------------------------------- same node (shared memory)
-    def reserve(self, keys, sizes, tenant: str, shared: bool = False, parent=None, first_position: int = 0,
-                request_id: int | None = None):
+    def reserve(self, msg: Reserve) -> Reserved:
+        check_version(msg, "this shard")
+        check_version(msg.write, "this shard")
+        w = msg.write
         self._maybe_stall()
-        hid, places = self.store.reserve(_keys(keys), list(sizes), tenant, shared=shared,
-                                         parent=None if parent is None else ChunkKey(bytes(parent)),
-                                         first_position=first_position, request=self._request(request_id, tenant))
-        return hid, [(bytes(p.key), p.offset, p.nbytes) for p in places]
+        hid, places = self.store.reserve(_keys(w.keys), list(msg.sizes), w.tenant, shared=w.shared,
+                                         parent=None if w.parent is None else ChunkKey(bytes(w.parent)),
+                                         first_position=w.first_position, request=self._request(w.request_id, w.tenant))
+        return Reserved(hid, [Placement(bytes(p.key), p.offset, p.nbytes) for p in places])
 
-    def commit(self, hold_id: int, keys, checksums) -> int:
-        n = self.store.commit(hold_id, checksums)
-        self._publish(_keys(keys)[:n])
+    def commit(self, msg: Commit) -> int:
+        check_version(msg, "this shard")
+        n = self.store.commit(msg.hold_id, msg.checksums)
+        self._publish(_keys(msg.keys)[:n])
         return n
 
     def abort(self, hold_id: int) -> None:
         self.store.abort(hold_id)
 
-    def lease_reads(self, keys, tenant: str, leading: bool = True):
+    def lease_reads(self, msg: LeaseReads) -> Leased:
+        check_version(msg, "this shard")
         self._maybe_stall()
         t0 = time.perf_counter()
-        hid, places = self.store.lease_reads(_keys(keys), tenant, leading=leading)
+        hid, places = self.store.lease_reads(_keys(msg.keys), msg.tenant, leading=msg.leading)
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "shm")
-        return hid, [None if p is None else (p.offset, p.nbytes, p.checksum) for p in places]
+        return Leased(hid, [None if p is None else Placement(bytes(p.key), p.offset, p.nbytes, p.checksum)
+                            for p in places])
 
     def release(self, hold_id: int, corrupt=()) -> None:
         self.store.release(hold_id, _keys(corrupt))
@@ -200,27 +216,31 @@ class ShardActor:
                 self.end(rid)
 
     # ---------------------------------------------------------------- other nodes (bytes over Ray)
-    def put(self, keys, payloads, tenant: str, shared: bool = False, parent=None, first_position: int = 0,
-            request_id: int | None = None) -> int:
+    def put(self, msg: Put) -> int:
+        """Chunks whose bytes came with the call (from another node)."""
+        check_version(msg, "this shard")
+        check_version(msg.write, "this shard")
+        w = msg.write
         self._maybe_stall()
-        keys = _keys(keys)
-        stored = self.store.put_many(keys, payloads, tenant, shared=shared,
-                                     parent=None if parent is None else ChunkKey(bytes(parent)),
-                                     first_position=first_position, request=self._request(request_id, tenant))
+        keys = _keys(w.keys)
+        stored = self.store.put_many(keys, msg.payloads, w.tenant, shared=w.shared,
+                                     parent=None if w.parent is None else ChunkKey(bytes(w.parent)),
+                                     first_position=w.first_position, request=self._request(w.request_id, w.tenant))
         self._publish([k for k, s in zip(keys, stored) if s])
         return sum(stored)
 
-    def get(self, keys, tenant: str) -> list[np.ndarray]:
+    def get(self, msg: Get) -> Got:
         """The leading run of chunks, verified (a bad one ends the run)."""
+        check_version(msg, "this shard")
         self._maybe_stall()
         t0 = time.perf_counter()
         out = []
-        for got in self.store.get_many(_keys(keys), tenant):
+        for got in self.store.get_many(_keys(msg.keys), msg.tenant):
             if got is None:
                 break
             out.append(got)
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "ray")
-        return out
+        return Got(out)
 
     def pin(self, keys, tenant: str) -> int:
         """Pins chunks held here (warm-up), up to the policy's pinned cap; how many."""

@@ -14,20 +14,19 @@ object store stays the transport; ``kvpool bench datapath --rdt`` repeats the pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
 import ray
+
+from kvpool.cluster.messages import Get, Put
 
 
 class Transport(Protocol):
     name: str
 
-    def send(self, shard, keys: list[bytes], arrays: Sequence[np.ndarray], tenant: str, shared: bool,
-             first_position: int, request_id: int | None = None): ...
+    def send(self, shard, put: Put): ...
 
-    def fetch(self, shard, keys: list[bytes], tenant: str): ...
+    def fetch(self, shard, get: Get): ...
 
     def wait(self, future, timeout_s: float): ...
 
@@ -37,11 +36,11 @@ class RayObjectTransport:
 
     name = "ray"
 
-    def send(self, shard, keys, arrays, tenant, shared, first_position, request_id=None):
-        return shard.put.remote(keys, list(arrays), tenant, shared, None, first_position, request_id)
+    def send(self, shard, put: Put):
+        return shard.put.remote(put)
 
-    def fetch(self, shard, keys, tenant):
-        return shard.get.remote(keys, tenant)
+    def fetch(self, shard, get: Get):
+        return shard.get.remote(get)
 
     def wait(self, future, timeout_s: float):
         return ray.get(future, timeout=timeout_s)

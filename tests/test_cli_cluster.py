@@ -10,12 +10,13 @@ MISSES = """
 import os, ray
 from kvpool.cluster.ops import connect, NAMESPACE
 from kvpool.cluster.shard import shard_name
+from kvpool.cluster.messages import Get
 from kvpool.cluster.controller import CONTROLLER
 connect(None, start_local=False)
 state = ray.get(ray.get_actor(CONTROLLER, namespace=NAMESPACE).state.remote(), timeout=30)
 for sid in state["shards"]:
     shard = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
-    assert ray.get(shard.get.remote([os.urandom(16) for _ in range(20)], "a"), timeout=30) == []
+    assert ray.get(shard.get.remote(Get([os.urandom(16) for _ in range(20)], "a")), timeout=30).arrays == []
 """
 
 

@@ -149,3 +149,28 @@ def test_bad_input_is_a_typed_error_that_changes_nothing(pool):
     with pytest.raises(LayoutMismatch, match="only whole chunks"):
         pool.save("a", keys, kv(3, seed=6))
     assert pool.lookup("a", keys) == 0  # the good chunk before the bad one was not written either
+
+
+def test_a_shard_and_a_client_of_other_wire_versions_refuse_each_other(cluster_pool):
+    """What crosses the shard boundary is a versioned message: a shard refuses a request of
+    another version with an error that says so (a write raises it to the caller; a read is a
+    miss, as every failed read), and a client refuses a reply of another version."""
+    import ray
+
+    from kvpool.cluster.messages import Get, Got, Put, Reserve, WireMismatch, Write, check_version
+    from kvpool.cluster.shard import shard_name
+
+    client = cluster_pool.client
+    shard = ray.get_actor(shard_name(client.pool, next(iter(client.shards))), namespace=client.namespace)
+    key = bytes(cluster_pool.keys("a", prompt(1))[0])
+    old = Write([key], "a", version=0)
+    with pytest.raises(WireMismatch, match="wire version 1 but got a Write of version 0"):
+        ray.get(shard.reserve.remote(Reserve(old, [SPEC.chunk_nbytes])), timeout=10)
+    with pytest.raises(WireMismatch, match="Put of version 2"):
+        ray.get(shard.put.remote(Put(Write([key], "a"), [np.zeros(SPEC.chunk_nbytes, np.uint8)], version=2)),
+                timeout=10)
+    with pytest.raises(WireMismatch, match="Get of version 2"):
+        ray.get(shard.get.remote(Get([key], "a", version=2)), timeout=10)
+    with pytest.raises(WireMismatch, match="this client speaks kvpool wire version 1 but got a Got of version 3"):
+        check_version(Got([], version=3), "this client")
+    assert cluster_pool.lookup("a", [key]) == 0  # nothing was written by the refused calls
