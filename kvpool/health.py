@@ -1,7 +1,7 @@
 """Health figures of a pool and their verdicts against the ranges operators run pools in.
 
-Every figure is computed over a window (between two samples), compared with its healthy range
-and reported with a verdict, not merely exported:
+Every figure is computed over a span of time, compared with its healthy range and reported with a
+verdict, not merely exported:
 
 | figure | healthy |
 |---|---|
@@ -10,12 +10,20 @@ and reported with a verdict, not merely exported:
 | active-request occupancy (pages leased by requests in flight) | 30% - 70% |
 | requests cancelled for memory, per GPU-hour (per shard-hour) | < 1 |
 
-Occupancy by zone (pinned / LRU / window, from the policy) and by tier is reported alongside.
+A figure with nothing to judge is ``None`` (ok): no lookups for the hit rate, no request in flight
+for the active occupancy (an idle pool is not unhealthy), no shard for the cancellations.
+
+The figures are computed in one place, ``figures_from_counts``, from one ``Counts`` per store
+(shard): its counters over a span of time and its pages at the end of it. ``HealthMonitor`` gives
+it one store's counters over a window (between two samples); ``figures_from_stats`` gives it each
+shard's counters over its life so far (what ``kvpool stats`` judges). The monitor reports occupancy
+by zone (pinned / LRU / window, from the policy) and by tier alongside.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 HEALTHY_RANGES: dict[str, tuple[float | None, float | None]] = {
@@ -49,6 +57,42 @@ def judge(figures: dict[str, float | None]) -> list[Verdict]:
     return [Verdict(name, figures.get(name), lo, hi) for name, (lo, hi) in HEALTHY_RANGES.items()]
 
 
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """One store's (a shard's) share of the figures: what its counters counted over ``elapsed_s``
+    seconds (chunk hits and misses, evictions, requests cancelled for memory) and, at the end of
+    that span, its pages, the pages leased by requests in flight and the number of those requests."""
+
+    elapsed_s: float
+    hits: float = 0.0
+    misses: float = 0.0
+    evictions: float = 0.0
+    cancelled: float = 0.0
+    pages: int = 0
+    leased_pages: int = 0
+    active_requests: int = 0
+
+
+def figures_from_counts(counts: Iterable[Counts], **extra) -> dict:
+    """The health figures of the stores whose ``counts`` are given, each over its own span, with
+    ``extra`` entries after them and their ``verdicts`` last. Rates are summed over the stores (they
+    run side by side); cancellations are per store-hour (per GPU-hour)."""
+    counts = list(counts)
+    looked = sum(c.hits + c.misses for c in counts)
+    pages = max(sum(c.pages for c in counts), 1)
+    hours = sum(max(c.elapsed_s, 1e-9) for c in counts) / 3600
+    figures = {
+        "hit_rate": sum(c.hits for c in counts) / looked if looked else None,
+        "evictions_per_s_fraction": sum(c.evictions / max(c.elapsed_s, 1e-9) for c in counts) / pages,
+        "active_occupancy": (sum(c.leased_pages for c in counts) / pages
+                             if sum(c.active_requests for c in counts) else None),
+        "cancellations_per_hour": sum(c.cancelled for c in counts) / hours if counts else None,
+        **extra,
+    }
+    figures["verdicts"] = judge(figures)
+    return figures
+
+
 class HealthMonitor:
     """Samples a store's counters; each ``sample()`` returns the figures since the previous one."""
 
@@ -71,21 +115,24 @@ class HealthMonitor:
         now = self._counters()
         prev, self._last = self._last, now
         dt = max(now["t"] - prev["t"], 1e-9)
-        looked = (now["hits"] - prev["hits"]) + (now["misses"] - prev["misses"])
         stats = self.store.stats()
-        pages = sum(t["pages_total"] for t in stats["tiers"].values())
-        leased = sum(len(r.nodes) for r in self.store.active_requests())
-        figures = {
-            "hit_rate": (now["hits"] - prev["hits"]) / looked if looked else None,
-            "evictions_per_s_fraction": (now["evictions"] - prev["evictions"]) / dt / max(pages, 1),
-            "active_occupancy": leased / max(pages, 1),
-            "cancellations_per_hour": (now["cancelled"] - prev["cancelled"]) / dt * 3600,
-            "window_s": dt,
-            "occupancy_by_tier": {n: t["pages_used"] / max(t["pages_total"], 1) for n, t in stats["tiers"].items()},
-            "occupancy_by_zone": stats["policy_stats"],
-        }
-        figures["verdicts"] = judge(figures)
-        return figures
+        active = self.store.active_requests()
+        window = Counts(
+            elapsed_s=dt,
+            hits=now["hits"] - prev["hits"],
+            misses=now["misses"] - prev["misses"],
+            evictions=now["evictions"] - prev["evictions"],
+            cancelled=now["cancelled"] - prev["cancelled"],
+            pages=sum(t["pages_total"] for t in stats["tiers"].values()),
+            leased_pages=len({n for r in active for n in r.nodes}),  # a page two requests share counts once
+            active_requests=len(active),
+        )
+        return figures_from_counts(
+            [window],
+            window_s=dt,
+            occupancy_by_tier={n: t["pages_used"] / max(t["pages_total"], 1) for n, t in stats["tiers"].items()},
+            occupancy_by_zone=stats["policy_stats"],
+        )
 
 
 def figures_from_stats(shards: list[dict]) -> dict:
@@ -98,19 +145,16 @@ def figures_from_stats(shards: list[dict]) -> dict:
     def total(s: dict, name: str) -> float:
         return float(sum(s["metrics"].get(name, {}).values()))
 
-    hits = sum(total(s, "hits_chunks") for s in shards)
-    misses = sum(total(s, "misses_chunks") for s in shards)
-    pages = sum(t["pages_total"] for s in shards for t in s["tiers"].values())
-    leased = sum(t.get("leased_pages", 0) for s in shards for t in s["tiers"].values())
-    hours = sum(max(s.get("uptime_s", 0.0), 1e-9) for s in shards) / 3600
-    active = sum(s.get("active_requests", 0) for s in shards)
-    figures = {
-        "hit_rate": hits / (hits + misses) if hits + misses else None,
-        "evictions_per_s_fraction": sum(total(s, "evictions") / max(s.get("uptime_s", 0.0), 1e-9) for s in shards)
-        / max(pages, 1),
-        "active_occupancy": leased / max(pages, 1) if active else None,
-        "cancellations_per_hour": sum(total(s, "cancelled_requests") for s in shards) / hours if shards else None,
-    }
-    figures["verdicts"] = judge(figures)
-    return figures
-
+    return figures_from_counts(
+        Counts(
+            elapsed_s=s.get("uptime_s", 0.0),
+            hits=total(s, "hits_chunks"),
+            misses=total(s, "misses_chunks"),
+            evictions=total(s, "evictions"),
+            cancelled=total(s, "cancelled_requests"),
+            pages=sum(t["pages_total"] for t in s["tiers"].values()),
+            leased_pages=sum(t.get("leased_pages", 0) for t in s["tiers"].values()),
+            active_requests=s.get("active_requests", 0),
+        )
+        for s in shards
+    )

@@ -8,7 +8,7 @@ from conftest import make_keys, make_store, payload, wait_for
 
 from kvpool import BadRequest, ChunkStore, KVSpec, PoolFull, QuotaExceeded, StoreConfig, Tenant, TenantRegistry
 from kvpool.errors import RequestCancelled
-from kvpool.health import HealthMonitor, judge
+from kvpool.health import HealthMonitor, figures_from_stats, judge
 from kvpool.pool import LocalPool
 
 
@@ -172,3 +172,29 @@ def test_health_monitor_measures_a_window_of_traffic():
     assert f["window_s"] == 10.0
     assert all(v.ok for v in f["verdicts"] if v.figure != "active_occupancy")
     s.end(r)
+
+
+def test_health_monitor_and_stats_compute_the_same_figures_from_the_same_counters():
+    s = store_with([Tenant("hi", priority="high"), Tenant("lo", priority="low")], pages=4)
+    clock = [0.0]
+    mon = HealthMonitor(s, clock=lambda: clock[0])
+    idle = mon.sample()
+    assert idle["active_occupancy"] is None and all(v.ok for v in idle["verdicts"])  # idle is not unhealthy
+    k = [make_keys(1, seed=i)[0] for i in range(6)]
+    low, young_low, high = s.begin("lo"), s.begin("lo"), s.begin("hi")
+    s.put(k[0], payload(0), "lo", request=low)
+    s.put(k[1], payload(1), "lo", request=young_low)
+    s.put_many([k[2], k[3]], [payload(2), payload(3)], "hi", request=high)
+    s.put(k[4], payload(4), "hi", request=high)  # full: young_low is cancelled, its chunk evicted
+    for key in (k[2], k[3], k[5]):
+        s.get(key, "hi")
+    clock[0] = 10.0
+    window = mon.sample()
+    st = s.stats() | {"uptime_s": 10.0, "active_requests": len(s.active_requests())}
+    life = figures_from_stats([st])
+    assert window["cancellations_per_hour"] == pytest.approx(360.0)
+    for figure in ("hit_rate", "evictions_per_s_fraction", "active_occupancy", "cancellations_per_hour"):
+        assert window[figure] == pytest.approx(life[figure]), figure
+    assert [v.ok for v in window["verdicts"]] == [v.ok for v in life["verdicts"]]
+    s.end(low)
+    s.end(high)
