@@ -126,6 +126,77 @@ class TieredCache:
         for t, ns in by_tier.items():
             self.policies[t].on_access(ns, access)
 
+    def serve(self, keys: list, access: Access, run: list[int] | None = None, *, hold: bool = False,
+              keep: bool = True, transient: list[int] | None = None) -> list[int]:
+        """Serves one request for ``keys`` (root to leaf); returns its resident nodes, root to leaf.
+
+        The resident leading run ``run`` (default: ``leading_run(keys)``) is leased while the request
+        is in flight and promoted to the top tier; the rest is inserted root to leaf, each chunk
+        under the one before it (a chunk found resident past a gap is chained through as it is);
+        then the policies hear of the whole request once (``access``).
+
+        ``hold`` False, a request that is over at once (the simulator): the policy decides
+        admission, storing stops at the first chunk it declines or that finds no room, and every
+        lease is released before this returns.
+
+        ``hold`` True, a request that stays in flight (an engine's active turn): every chunk needs
+        a page, so PoolFull (nothing can be evicted) propagates, with this request's leases
+        released. A new chunk the policy does not admit (any new chunk unless ``keep``; the policy
+        is then not asked) is stored anyway and appended to ``transient`` for the caller to drop
+        when the request ends. On return every node stays leased; ``release`` them at its end.
+
+        The store's ``put_many`` runs its own loop (see the NOTE there).
+        """
+        if run is None:
+            run = self.leading_run(keys)
+        leases = self.res.leases
+        for n in run:
+            leases[n] += 1
+        if len(self.pages) > 1:
+            for n in run:
+                self.promote(n)
+        nodes = list(run)
+        held = nodes if hold else list(run)  # what this call has leased
+        parent = run[-1] if run else NO_PARENT
+        index = self.index
+        insert = self.insert
+        admit = self.policies[0].admit
+        try:
+            for pos in range(len(run), len(keys)):
+                key = keys[pos]
+                n = index.get(key)
+                if n is not None:  # resident past a gap: chain through it as it is
+                    leases[n] += 1
+                    if not hold:
+                        held.append(n)
+                elif not hold:
+                    n = insert(key, parent, pos, access)
+                    if n is None:
+                        break
+                    leases[n] -= 1  # written; the prefix rule holds it from now on
+                else:
+                    kept = keep and admit(pos, access)
+                    n = insert(key, parent, pos, access, raise_full=True, admit=False)
+                    assert n is not None
+                    if not kept:
+                        assert transient is not None
+                        transient.append(n)
+                nodes.append(n)
+                parent = n
+        except PoolFull:
+            self.release(held)
+            raise
+        self.access(nodes, access)
+        if not hold:
+            self.release(held)
+        return nodes
+
+    def release(self, nodes: list[int]) -> None:
+        """Ends one lease on each of ``nodes``."""
+        leases = self.res.leases
+        for n in nodes:
+            leases[n] -= 1
+
     def promote(self, node: int) -> bool:
         """Moves a node of a lower tier to the top tier (a hit there). False when it stays: the top
         tier cannot make room, or the bytes failed verification (then the node is dropped)."""

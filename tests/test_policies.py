@@ -1,14 +1,14 @@
 """Exact eviction orders of every policy on small hand-made request sequences.
 
 Requests are lists of block ids (a chain: each id's parent is the id before it), served the way
-the pool and the simulator serve them (kvpool.sim.replay.serve)."""
+the simulator serves them (kvpool.cache.TieredCache.serve)."""
 
 import pytest
 
 from kvpool import BadRequest
 from kvpool.cache import CacheHooks, TieredCache
 from kvpool.policies import Access, make_policy, policy_names, registry
-from kvpool.sim.replay import replay, serve
+from kvpool.sim.replay import replay
 from kvpool.sim.workloads import generate
 
 
@@ -39,7 +39,7 @@ class Driver:
         run = self.cache.leading_run(list(blocks))
         full = len(blocks) if full is None else full
         acc = Access(self.rid, float(self.rid), len(blocks), full, len(run), attention=attention)
-        serve(self.cache, list(blocks), run, acc)
+        self.cache.serve(list(blocks), acc, run)
         return len(run)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvpool.cache import TieredCache
 from kvpool.errors import PoolFull
-from kvpool.policies import NO_PARENT, TIERED_MEMORY, Access, make_policy, policy_names
+from kvpool.policies import TIERED_MEMORY, Access, make_policy, policy_names
 from kvpool.progress import Progress
 
 # Not a pool policy: the engine frees a turn's KV when the turn ends (nothing is reused).
@@ -108,8 +108,7 @@ def simulate(policy: str, n: int, setup: Setup) -> dict:
             break
         while active_until and active_until[0][0] <= t:  # turns that finished release their pages
             _, _, nodes, transient = heapq.heappop(active_until)
-            for nd in nodes:
-                res.leases[nd] -= 1
+            cache.release(nodes)
             for nd in reversed(transient):  # pages the strategy does not keep after the turn
                 if cache.node_key[nd] is not None and res.leases[nd] == 0 and res.children[nd] == 0:
                     cache.drop(nd, "evicted")
@@ -134,33 +133,12 @@ def simulate(policy: str, n: int, setup: Setup) -> dict:
         prompt_full = prompt // ct
         run = cache.leading_run(keys[:prompt_full])
         acc = Access(rid, t, len(keys), len(keys), len(run), s.tenant)
-        held = list(run)
-        transient: list[int] = []
-        for nd in run:
-            res.leases[nd] += 1
-            cache.promote(nd)
-        parent = run[-1] if run else NO_PARENT
-        policy0 = cache.policies[0]
+        transient: list[int] = []  # pages the strategy does not keep after the turn
         try:
-            for pos in range(len(run), len(keys)):
-                existing = cache.find(keys[pos])
-                if existing is not None:  # cached past a gap; reuse it as it is
-                    nd = existing
-                else:
-                    # An active turn needs its pages whatever the strategy keeps afterwards.
-                    keep = not no_cache and policy0.admit(pos, acc)
-                    nd = cache.insert(keys[pos], parent, pos, acc, raise_full=True, admit=False)
-                    res.leases[nd] -= 1
-                    if not keep:
-                        transient.append(nd)
-                res.leases[nd] += 1
-                held.append(nd)
-                parent = nd
+            # An active turn needs its pages whatever the strategy keeps afterwards: held, leased.
+            held = cache.serve(keys, acc, run, hold=True, keep=not no_cache, transient=transient)
         except PoolFull:
-            for nd in held:
-                res.leases[nd] -= 1
             return {"oom": True, "at_s": t, "turns": turns}
-        cache.access(held, acc)
         hit = len(run) * ct
         prefill_s = (prompt - hit) / setup.prefill_tok_s
         end = t + prefill_s + answer / setup.decode_tok_s

@@ -2,7 +2,8 @@
 
 Hit rate, as everywhere in kvpool: the fraction of requested blocks served from the cache,
 counting only the leading run of resident blocks of each request (a block after a miss is
-recomputed anyway). After the lookup the policy decides what of the request to store.
+recomputed anyway). After the lookup the request is served by ``TieredCache.serve``, the same
+routine the concurrency benchmark uses: the policy decides what of the request to store.
 """
 
 from __future__ import annotations
@@ -12,39 +13,12 @@ import time
 from collections.abc import Callable
 
 from kvpool.cache import TieredCache
-from kvpool.policies import NO_PARENT, TIERED_MEMORY, TIERED_MEMORY_SPLIT, Access, make_policy
+from kvpool.policies import TIERED_MEMORY, TIERED_MEMORY_SPLIT, Access, make_policy
 from kvpool.sim.trace import SimRequest
 
 
 def _tokens(req: SimRequest, nblocks: int) -> int:
     return sum(req.block_tokens(i) for i in range(nblocks))
-
-
-def serve(cache: TieredCache, blocks, run: list[int], access: Access) -> list[int]:
-    """One request: its resident prefix ``run`` is leased while it is in flight (and promoted to
-    the top tier), then the policy decides what of the rest to store, root to leaf, and hears of
-    the whole request once. Returns the request's resident nodes."""
-    res = cache.res
-    leases = res.leases
-    for n in run:
-        leases[n] += 1
-    if len(cache.tier_pages) > 1:
-        for n in run:
-            cache.promote(n)
-    nodes = list(run)
-    parent = run[-1] if run else NO_PARENT
-    insert = cache.insert
-    for pos in range(len(run), len(blocks)):
-        n = insert(blocks[pos], parent, pos, access)
-        if n is None:
-            break
-        nodes.append(n)
-        leases[n] -= 1  # written; the prefix rule holds it from now on
-        parent = n
-    cache.access(nodes, access)
-    for n in run:
-        leases[n] -= 1
-    return nodes
 
 
 def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int] | None = None,
@@ -72,7 +46,7 @@ def replay(trace: list[SimRequest], policy: str, capacity: int, tiers: list[int]
         tot_tok += req.input_tokens
         if len(sizes) > 1:
             top_hits += sum(1 for n in run if cache.node_tier[n] == 0)
-        serve(cache, blocks, run, Access(rid, req.time_s, len(blocks), req.full_blocks, h, req.tenant))
+        cache.serve(blocks, Access(rid, req.time_s, len(blocks), req.full_blocks, h, req.tenant), run)
         if on_progress is not None and rid % 1000 == 999:
             on_progress(1000)
     row = {

@@ -80,6 +80,17 @@ class WritesMixin:
         charged = new_bytes
         top = self._slabs[0]
         writing = None  # inserted, leased, bytes not yet in place
+        # NOTE: this loop is not TieredCache.serve (the simulator's and the concurrency
+        # benchmark's routine). serve runs a whole request in one pass over a tree nothing else
+        # changes meanwhile; here each chunk's bytes are copied with the lock released (between
+        # inserting the chunk, leased and not ready, and marking it ready), so another writer may
+        # evict the previous chunk meanwhile and the chain is re-checked under the lock at every
+        # step. Calling serve would mean holding the lock across every copy, serialising all
+        # readers and writers. The loop also chains only through chunks visible to the tenant,
+        # starts at a parent given by key (no leading-run lookup, no promotion: a write is not a
+        # read), meets PoolFull by cancelling the lowest-priority request and retrying
+        # (self._insert), leaves a streaming request's chunks leased, and drops a chunk whose copy
+        # never finished.
         try:
             for i, (k, src) in enumerate(zip(keys, srcs)):
                 nb = src.shape[0]
