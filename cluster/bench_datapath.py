@@ -14,12 +14,16 @@ import os
 import statistics
 import time
 
-import numpy as np
-import ray
+# NOTE: read when Ray is imported: keeps every node of the benchmark's cluster on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # its cluster is loopback-only
 
-from kvpool.keys import Namespace, chunk_keys
-from kvpool.progress import Progress
-from kvpool.spec import KVSpec
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+
+from kvpool.keys import Namespace, chunk_keys  # noqa: E402
+from kvpool.progress import Progress  # noqa: E402
+from kvpool.spec import KVSpec  # noqa: E402
 
 
 @ray.remote(num_cpus=0)

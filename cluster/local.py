@@ -17,13 +17,17 @@ def local_cluster(nodes: int = 2, *, namespace: str | None = None, num_cpus: int
                   object_store_memory: int | None = None, system_config: dict | None = None,
                   logging_level: str = "INFO") -> Iterator[tuple[object, list]]:
     """``with local_cluster(3, namespace="x") as (cluster, workers): ...``; ``workers`` are the
-    nodes besides the head (add more with ``cluster.add_node``)."""
+    nodes besides the head (add more with ``cluster.add_node``).
+
+    NOTE: Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (nodes on 127.0.0.1) when it is
+    imported: a caller that imported Ray first must have set it; the assertion below refuses a
+    cluster on any other address rather than send traffic off the machine."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": num_cpus}
+    node = {"num_cpus": num_cpus, "node_ip_address": "127.0.0.1"}
     if object_store_memory:
         node["object_store_memory"] = object_store_memory
     head = {**node, "include_dashboard": False}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 from kvpool.errors import BadRequest, KvPoolError
@@ -229,9 +231,28 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         contexts = [int(c) for c in args.context.split(",")]
     except ValueError:
         raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
-    rows = bench_ttft.run(args.engine, contexts, progress=not args.json)
-    print(json.dumps(rows, indent=2) if args.json else bench_ttft.format_table(rows))
+    if args.json:
+        with _stdout_to_stderr():  # engines log to stdout; --json prints only JSON there
+            rows = bench_ttft.run(args.engine, contexts, progress=False)
+        print(json.dumps(rows, indent=2))
+    else:
+        print(bench_ttft.format_table(bench_ttft.run(args.engine, contexts, progress=True)))
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Sends everything written to stdout meanwhile (Python and native code alike) to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _bench_weights(args: argparse.Namespace) -> int:

@@ -75,3 +75,17 @@ def test_up_help_describes_every_eviction_policy():
               if "--policy" in a.option_strings)
     for name, cls in registry().items():
         assert cls.description and f"{name}: {cls.description}" in up.help
+
+
+def test_json_commands_keep_engine_logs_off_stdout():
+    """Engines (vLLM) log to stdout, from Python and from native code; a --json command sends
+    everything written meanwhile to stderr, so stdout holds only the JSON."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, json\nfrom kvpool.cli import _stdout_to_stderr\n"
+            "with _stdout_to_stderr():\n    print('python log')\n    os.write(1, b'native log\\n')\n"
+            "print(json.dumps({'ok': 1}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout == '{"ok": 1}\n'
+    assert "python log" in out.stderr and "native log" in out.stderr
