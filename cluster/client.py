@@ -25,12 +25,11 @@ import numpy as np
 import ray
 
 from kvpool.buffers import as_byte_array
-from kvpool.checksum import copy_with_checksum
 from kvpool.cluster.controller import CONTROLLER
-from kvpool.cluster.messages import Commit, Get, LeaseReads, Put, Reserve, WireMismatch, Write, check_version
+from kvpool.cluster.messages import Get, Got, Put, WireMismatch, Write, check_version
 from kvpool.cluster.ring import HashRing
 from kvpool.cluster.shard import shard_name
-from kvpool.cluster.transport import TRANSPORTS
+from kvpool.cluster.transport import TRANSPORTS, SharedMemoryTransport
 from kvpool.errors import BadRequest, KvPoolError, Unavailable
 from kvpool.index import PrefixHit, open_index
 from kvpool.keys import ChunkKey
@@ -207,21 +206,25 @@ class PoolClient:
                 continue
             write = Write([bytes(keys[i]) for i in idx], tenant, shared, first_position + idx[0],
                           self._request_on(sid, request))
-            if sid in self._slabs:
-                stored += self._put_local(sid, handle, write, [arrays[i] for i in idx])
-            else:
-                pending.append((sid, self.transport.send(handle, Put(write, [arrays[i] for i in idx]))))
-        for sid, ref in pending:
+            transport = self._transport_to(sid)
+            pending.append((sid, transport, transport.send(handle, Put(write, [arrays[i] for i in idx]))))
+        for sid, transport, future in pending:
             try:
-                stored += self.transport.wait(ref, self.timeout_s)
-                self.counts["put_" + self.transport.name] += 1
+                stored += transport.wait(future, self.timeout_s)
+                self.counts["put_" + transport.name] += 1
             except KvPoolError as e:
-                _raise_own_429(e)
+                _raise_own_429(e)  # a spent quota, a client and shard of other wire versions
                 self.counts["put_failed"] += 1
             except _RAY_FAIL as e:
+                _raise_own_429(e)
                 self.counts["put_failed"] += 1
                 log.warning("client: put to shard %s failed (%s)", sid, type(e).__name__)
         return stored
+
+    def _transport_to(self, sid: str):
+        """Shared memory for the shard on this node, the configured transport for the others."""
+        slab = self._slabs.get(sid)
+        return self.transport if slab is None else SharedMemoryTransport(slab.buf)
 
     def _request_on(self, sid: str, request: "ClusterRequest | None") -> int | None:
         """The request's id on shard ``sid``, begun there (leasing nothing yet) the first time the
@@ -238,30 +241,6 @@ class PoolClient:
                 self.counts["begin_failed"] += 1
         return rid
 
-    def _put_local(self, sid: str, h, write: Write, arrays: list[np.ndarray]) -> int:
-        """Reserve pages in this node's shard, copy into its slab, commit (two round trips)."""
-        try:
-            reserved = ray.get(h.reserve.remote(Reserve(write, [a.shape[0] for a in arrays])), timeout=self.timeout_s)
-            check_version(reserved, "this client")
-        except _RAY_FAIL as e:
-            _raise_own_429(e)
-            self.counts["put_failed"] += 1
-            return 0
-        buf = self._slabs[sid].buf
-        by_key = dict(zip(write.keys, arrays))
-        sums, committed = [], []
-        for p in reserved.places:
-            sums.append(copy_with_checksum(buf[p.offset : p.offset + p.nbytes], by_key[p.key]))
-            committed.append(p.key)
-        try:
-            n = ray.get(h.commit.remote(Commit(reserved.hold_id, committed, sums)), timeout=self.timeout_s)
-            self.counts["put_shm"] += 1
-            return n
-        except _RAY_FAIL as e:
-            _raise_own_429(e)  # the index refused to publish past the tenant's quota
-            self.counts["put_failed"] += 1
-            return 0
-
     # ---------------------------------------------------------------- reads
     def get(self, tenant: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None,
             outs: Sequence[object] | None = None) -> list[np.ndarray]:
@@ -271,31 +250,32 @@ class PoolClient:
 
         NOTE: the lease on this node's shard is asked for at the same time as the index lookup
         (for every key, misses allowed), so a same-node read costs one round trip, not two."""
-        local = next(iter(self._slabs), None)
-        lease_ref = None
-        if local is not None and self._handles.get(local) is not None:
-            lease_ref = self._handles[local].lease_reads.remote(LeaseReads([bytes(k) for k in keys], tenant, False))
+        local = next((sid for sid in self._slabs if sid in self._handles), None)
+        pending = []
+        if local is not None:
+            shm = self._transport_to(local)
+            pending.append((local, [], shm, shm.fetch(self._handles[local], Get([bytes(k) for k in keys], tenant), outs)))
         hit = hit if hit is not None else self.index.lookup(keys)
         n = hit.count
         got: dict[int, np.ndarray] = {}
-        remote = []
         by_shard: dict[str, list[int]] = {}
         for i in range(n):
             by_shard.setdefault(hit.shards[i], []).append(i)
+        if local is not None:
+            pending[0][1].extend(by_shard.get(local, []))
+            pending[0][3].want(pending[0][1])
         for sid, idx in by_shard.items():
             handle = self._handles.get(sid)
             if handle is None or sid == local:
-                continue  # gone from the ring (misses), or served from the lease below
-            remote.append((sid, idx, self.transport.fetch(handle, Get([bytes(keys[i]) for i in idx], tenant))))
-        if lease_ref is not None:
-            mine = by_shard.get(local, [])
-            got.update(self._read_lease(local, lease_ref, keys, mine, outs))
-            if mine and mine[0] not in got:
-                got.update(self._from_replicas(tenant, keys, mine, local))
-        for sid, idx, ref in remote:
+                continue  # gone from the ring (misses), or served from the lease above
+            pending.append((sid, idx, self.transport,
+                            self.transport.fetch(handle, Get([bytes(keys[i]) for i in idx], tenant))))
+        for sid, idx, transport, future in pending:
             try:
-                arrays = self._got(self.transport.wait(ref, self.timeout_s))
-                self.counts["get_" + self.transport.name] += 1
+                reply = self._got(transport.wait(future, self.timeout_s))
+                arrays = reply.arrays
+                if idx:
+                    self.counts["get_" + transport.name] += 1
             except (*_RAY_FAIL, WireMismatch) as e:
                 self.counts["get_failed"] += 1
                 log.warning("client: get from shard %s failed (%s): trying replicas", sid, type(e).__name__)
@@ -303,8 +283,10 @@ class PoolClient:
                 continue
             for i, a in zip(idx, arrays):
                 got[i] = a
-            if len(arrays) < len(idx):  # the index listed a chunk the shard does not have
-                self._invalidate(keys[idx[len(arrays)]], sid)
+            if len(arrays) < len(idx):
+                if not reply.corrupt:  # the index listed a chunk the shard does not have
+                    self._invalidate(keys[idx[len(arrays)]], sid)
+                got.update(self._from_replicas(tenant, keys, idx[len(arrays):], sid))
         out = []
         for i in range(n):
             if i not in got:
@@ -313,14 +295,14 @@ class PoolClient:
         return out
 
     @staticmethod
-    def _got(reply) -> list:
-        """A ``Got``'s arrays, after checking its version (a mismatch is logged: reads never raise)."""
+    def _got(reply) -> Got:
+        """A ``Got`` whose version was checked (a mismatch is logged: reads never raise)."""
         try:
             check_version(reply, "this client")
         except WireMismatch as e:
             log.error("client: %s", e)
             raise
-        return reply.arrays
+        return reply
 
     def _from_replicas(self, tenant: str, keys: Sequence[ChunkKey], idx: list[int], failed: str) -> dict[int, np.ndarray]:
         """Reads positions ``idx`` (in order) from the other owners the ring gives their keys, when
@@ -338,7 +320,7 @@ class PoolClient:
                     continue
                 try:
                     (a,) = self._got(self.transport.wait(self.transport.fetch(h, Get([bytes(keys[i])], tenant)),
-                                                         self.timeout_s)) or [None]
+                                                         self.timeout_s)).arrays or [None]
                 except (*_RAY_FAIL, ValueError):  # WireMismatch is a ValueError: a miss here too
                     continue
                 if a is not None:
@@ -347,37 +329,6 @@ class PoolClient:
                     break
             if i not in out:
                 break
-        return out
-
-    def _read_lease(self, sid: str, ref, keys: Sequence[ChunkKey], wanted: list[int],
-                    outs: Sequence[object] | None) -> dict[int, np.ndarray]:
-        """Copies the positions ``wanted`` (the index places them on this node's shard) out of the
-        leased pages, verifying each; then releases the lease."""
-        try:
-            leased = ray.get(ref, timeout=self.timeout_s)
-            check_version(leased, "this client")
-        except (*_RAY_FAIL, WireMismatch) as e:  # reads never raise: a miss (a version mismatch is logged)
-            if isinstance(e, WireMismatch):
-                log.error("client: %s", e)
-            self.counts["get_failed"] += 1
-            return {}
-        hid, places = leased.hold_id, leased.places
-        buf = self._slabs[sid].buf
-        out, bad = {}, []
-        for i in wanted:
-            p = places[i]
-            if p is None:  # listed by the index, not held by the shard: the index is stale
-                self._invalidate(keys[i], sid)
-                break
-            off, nb, cs = p.offset, p.nbytes, p.checksum
-            dst = np.empty(nb, dtype=np.uint8) if outs is None else as_byte_array(outs[i], writable=True)[:nb]
-            if copy_with_checksum(dst, buf[off : off + nb]) != cs:
-                bad.append(bytes(keys[i]))
-                break
-            out[i] = dst
-        self._handles[sid].release.remote(hid, bad)  # fire and forget: the lease also expires on its own
-        if wanted:
-            self.counts["get_shm"] += 1
         return out
 
     def _invalidate(self, key: ChunkKey, shard: str) -> None:

@@ -93,9 +93,12 @@ class Get:
 
 @dataclass(frozen=True, slots=True)
 class Got:
-    """The leading run of the asked chunks the shard holds, each verified."""
+    """The leading run of the asked chunks the shard holds, each verified. ``corrupt``: the run
+    ended at a chunk that failed its checksum, which the shard drops and unlists itself (else a
+    shorter run means the index listed a chunk the shard does not hold)."""
 
     arrays: list
+    corrupt: bool = False
     version: int = WIRE_VERSION
 
 
