@@ -12,13 +12,13 @@ import torch
 
 from kvpool.codec import ChunkCodec
 from kvpool.errors import LayoutMismatch, UnknownTenant
-from kvpool.keying import KeyMaker
-from kvpool.keys import ChunkKey, Namespace, as_keys
+from kvpool.keying import KeyedPool, KeyMaker
+from kvpool.keys import ChunkKey, as_keys
 from kvpool.spec import KVSpec
 from kvpool.tenants import Tenant
 
 
-class ClusterPool:
+class ClusterPool(KeyedPool):
     def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
         pages = [info.get("page_bytes", 0) for info in client.shards.values()]
         if spec.storage_format == "raw" and pages and spec.chunk_nbytes > min(pages):
@@ -39,14 +39,6 @@ class ClusterPool:
 
     def _check_tenant(self, tenant: str) -> None:
         self._salt(tenant)  # bad input fails before anything is read or written, as in LocalPool
-
-    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
-                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
-        return self._keys.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
-
-    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
-             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
-        return self._keys.keys(tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of chunks the index lists (one round trip)."""

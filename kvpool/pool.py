@@ -13,8 +13,8 @@ import torch
 
 from kvpool.codec import ChunkCodec, torch_dtype
 from kvpool.errors import BadRequest, LayoutMismatch
-from kvpool.keying import KeyMaker
-from kvpool.keys import ChunkKey, Namespace, as_keys
+from kvpool.keying import KeyedPool, KeyMaker
+from kvpool.keys import ChunkKey, as_keys
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
 from kvpool.tenants import TenantRegistry
@@ -48,7 +48,7 @@ class KVView:
         self.release()
 
 
-class LocalPool:
+class LocalPool(KeyedPool):
     """A single-node pool for one KV spec (one model layout)."""
 
     def __init__(self, spec: KVSpec, store: ChunkStore) -> None:
@@ -70,14 +70,6 @@ class LocalPool:
     @property
     def tenants(self) -> TenantRegistry:
         return self.store.tenants
-
-    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
-                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
-        return self._keys.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
-
-    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
-             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
-        return self._keys.keys(tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of resident chunks."""

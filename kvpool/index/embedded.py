@@ -13,24 +13,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvpool.errors import BadRequest, QuotaExceeded, UnknownTenant
-from kvpool.index.base import (
-    MISS,
-    Event,
-    Index,
-    IndexEntry,
-    PrefixHit,
-    TenantInfo,
-    check_address,
-    check_entries,
-    check_event_query,
-    check_keys,
-    check_lookup_keys,
-    check_max_events,
-    check_name,
-    check_priority,
-    check_quota,
-    check_ttl,
-)
+from kvpool.index import base as checks
+from kvpool.index.base import MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo
 from kvpool.keys import ChunkKey
 from kvpool.tenants import UNLIMITED
 
@@ -43,26 +27,26 @@ class EmbeddedIndex(Index):
         self._by_shard: dict[str, set[ChunkKey]] = {}
         self._shards: dict[str, tuple[str, float]] = {}  # shard -> (address, heartbeat deadline)
         self._tenants: dict[str, list] = {}  # id -> [usage, quota, priority]
-        self._events: deque[Event] = deque(maxlen=check_max_events(max_events))
+        self._events: deque[Event] = deque(maxlen=checks.check_max_events(max_events))
         self._seq = itertools.count(1)
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
-        check_name("tenant", tenant)
-        quota, priority = check_quota(quota), check_priority(priority)
+        checks.check_name("tenant", tenant)
+        quota, priority = checks.check_quota(quota), checks.check_priority(priority)
         with self._lock:
             t = self._tenants.setdefault(tenant, [0, quota, priority])
             t[1], t[2] = quota, priority
 
     def set_quota(self, tenant: str, quota: int) -> None:
-        check_name("tenant", tenant)
-        quota = check_quota(quota)
+        checks.check_name("tenant", tenant)
+        quota = checks.check_quota(quota)
         with self._lock:
             self._tenant(tenant)[1] = quota
 
     def set_priority(self, tenant: str, priority: str) -> None:
-        check_name("tenant", tenant)
-        priority = check_priority(priority)
+        checks.check_name("tenant", tenant)
+        priority = checks.check_priority(priority)
         with self._lock:
             self._tenant(tenant)[2] = priority
 
@@ -78,7 +62,7 @@ class EmbeddedIndex(Index):
 
     # ---------------------------------------------------------------- chunks
     def publish(self, entries: Sequence[IndexEntry]) -> list[bool]:
-        entries = check_entries(entries)
+        entries = checks.check_entries(entries)
         with self._lock:
             charge: dict[str, int] = {}
             fresh: list[bool] = []
@@ -109,9 +93,9 @@ class EmbeddedIndex(Index):
             return fresh
 
     def remove(self, keys: Sequence[ChunkKey], shard: str | None = None) -> int:
-        keys = check_keys(keys)
+        keys = checks.check_keys(keys)
         if shard is not None:
-            check_name("shard id", shard)
+            checks.check_name("shard id", shard)
         with self._lock:
             return sum(self._remove(k, shard) for k in keys)
 
@@ -129,7 +113,7 @@ class EmbeddedIndex(Index):
 
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
         try:
-            keys = check_lookup_keys(keys)
+            keys = checks.check_lookup_keys(keys)
         except BadRequest as e:
             return PrefixHit(0, error=str(e))
         shards, tiers = [], []
@@ -143,20 +127,20 @@ class EmbeddedIndex(Index):
         return PrefixHit(len(shards), tuple(shards), tuple(tiers)) if shards else MISS
 
     def get(self, key: ChunkKey) -> IndexEntry | None:
-        (key,) = check_keys([key])
+        (key,) = checks.check_keys([key])
         with self._lock:
             return self._entries.get(key)
 
     # ---------------------------------------------------------------- membership
     def register_shard(self, shard: str, address: str = "", ttl_s: float = 10.0) -> None:
-        check_name("shard id", shard)
-        address, ttl_s = check_address(address), check_ttl(ttl_s)
+        checks.check_name("shard id", shard)
+        address, ttl_s = checks.check_address(address), checks.check_ttl(ttl_s)
         with self._lock:
             self._shards[shard] = (address, self._clock() + ttl_s)
 
     def heartbeat(self, shard: str, ttl_s: float = 10.0) -> None:
-        check_name("shard id", shard)
-        ttl_s = check_ttl(ttl_s)
+        checks.check_name("shard id", shard)
+        ttl_s = checks.check_ttl(ttl_s)
         with self._lock:
             if shard not in self._shards:
                 raise BadRequest(f"unknown shard {shard!r}: register it first")
@@ -182,13 +166,13 @@ class EmbeddedIndex(Index):
         return out
 
     def shard_keys(self, shard: str) -> set[ChunkKey]:
-        check_name("shard id", shard)
+        checks.check_name("shard id", shard)
         with self._lock:
             return set(self._by_shard.get(shard, ()))
 
     # ---------------------------------------------------------------- events
     def events(self, after: str = "0-0", count: int = 1000) -> list[Event]:
-        after, count = check_event_query(after, count)
+        after, count = checks.check_event_query(after, count)
         n = int(after.split("-")[0])
         with self._lock:
             return [e for e in self._events if int(e.id.split("-")[0]) > n][:count]

@@ -22,24 +22,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvpool.errors import BadRequest, QuotaExceeded, Unavailable, UnknownTenant
-from kvpool.index.base import (
-    MISS,
-    Event,
-    Index,
-    IndexEntry,
-    PrefixHit,
-    TenantInfo,
-    check_address,
-    check_entries,
-    check_event_query,
-    check_keys,
-    check_lookup_keys,
-    check_max_events,
-    check_name,
-    check_priority,
-    check_quota,
-    check_ttl,
-)
+from kvpool.index import base as checks
+from kvpool.index.base import MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo
 from kvpool.index.redis_keys import Keys
 from kvpool.index.redis_lua import PUBLISH, REMOVE
 from kvpool.keys import KEY_BYTES, ChunkKey
@@ -65,14 +49,14 @@ class RedisIndex(Index):
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             shown = redact(url) if isinstance(url, str) else url
             raise BadRequest(f"index URL {shown!r} must start with redis://, rediss:// or unix://")
-        check_name("index prefix", prefix)
+        checks.check_name("index prefix", prefix)
         for name, v in (("timeout_s", timeout_s), ("read_timeout_s", read_timeout_s), ("backoff_s", backoff_s)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
                 raise BadRequest(f"{name} must be a finite number of seconds > 0, got {v!r}")
         self.url = redact(url)
         self.keys = Keys(prefix)
         self._prefix = prefix
-        self._maxlen = str(check_max_events(max_events))
+        self._maxlen = str(checks.check_max_events(max_events))
         retry = Retry(ExponentialBackoff(cap=timeout_s, base=0.05), retries=3)
         try:
             self._w = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -119,8 +103,8 @@ class RedisIndex(Index):
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
-        check_name("tenant", tenant)
-        quota, priority = check_quota(quota), check_priority(priority)
+        checks.check_name("tenant", tenant)
+        quota, priority = checks.check_quota(quota), checks.check_priority(priority)
         pipe = self._w.pipeline(transaction=True)
         pipe.hsetnx(self.keys.tenant(tenant), "usage", 0)
         pipe.hset(self.keys.tenant(tenant), mapping={"quota": quota, "priority": priority})
@@ -132,14 +116,14 @@ class RedisIndex(Index):
             raise UnknownTenant(tenant)
 
     def set_quota(self, tenant: str, quota: int) -> None:
-        check_name("tenant", tenant)
-        quota = check_quota(quota)
+        checks.check_name("tenant", tenant)
+        quota = checks.check_quota(quota)
         self._require_tenant(tenant)
         self._write("set_quota", self._w.hset, self.keys.tenant(tenant), "quota", quota)
 
     def set_priority(self, tenant: str, priority: str) -> None:
-        check_name("tenant", tenant)
-        priority = check_priority(priority)
+        checks.check_name("tenant", tenant)
+        priority = checks.check_priority(priority)
         self._require_tenant(tenant)
         self._write("set_priority", self._w.hset, self.keys.tenant(tenant), "priority", priority)
 
@@ -154,7 +138,7 @@ class RedisIndex(Index):
 
     # ---------------------------------------------------------------- chunks
     def publish(self, entries: Sequence[IndexEntry]) -> list[bool]:
-        entries = check_entries(entries)
+        entries = checks.check_entries(entries)
         if not entries:
             return []
         argv: list[object] = [self._prefix, self._maxlen]
@@ -171,9 +155,9 @@ class RedisIndex(Index):
         return [bool(x) for x in res[1:]]
 
     def remove(self, keys: Sequence[ChunkKey], shard: str | None = None) -> int:
-        keys = check_keys(keys)
+        keys = checks.check_keys(keys)
         if shard is not None:
-            check_name("shard id", shard)
+            checks.check_name("shard id", shard)
         if not keys:
             return 0
         argv = [self._prefix, self._maxlen, shard or "", *(bytes(k) for k in keys)]
@@ -181,7 +165,7 @@ class RedisIndex(Index):
 
     def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
         try:
-            keys = check_lookup_keys(keys)
+            keys = checks.check_lookup_keys(keys)
         except BadRequest as e:
             return PrefixHit(0, error=str(e))
         if not keys:
@@ -210,7 +194,7 @@ class RedisIndex(Index):
         return PrefixHit(len(shards), tuple(shards), tuple(tiers)) if shards else MISS
 
     def get(self, key: ChunkKey) -> IndexEntry | None:
-        (key,) = check_keys([key])
+        (key,) = checks.check_keys([key])
         raw, _ = self._read(self._r.get, self.keys.chunk(key))
         if raw is None:
             return None
@@ -222,16 +206,16 @@ class RedisIndex(Index):
 
     # ---------------------------------------------------------------- membership
     def register_shard(self, shard: str, address: str = "", ttl_s: float = 10.0) -> None:
-        check_name("shard id", shard)
-        address, ttl_s = check_address(address), check_ttl(ttl_s)
+        checks.check_name("shard id", shard)
+        address, ttl_s = checks.check_address(address), checks.check_ttl(ttl_s)
         pipe = self._w.pipeline(transaction=True)
         pipe.hset(self.keys.shards, shard, address)
         pipe.set(self.keys.heartbeat(shard), 1, px=max(1, int(ttl_s * 1000)))
         self._write("register_shard", pipe.execute)
 
     def heartbeat(self, shard: str, ttl_s: float = 10.0) -> None:
-        check_name("shard id", shard)
-        ttl_s = check_ttl(ttl_s)
+        checks.check_name("shard id", shard)
+        ttl_s = checks.check_ttl(ttl_s)
         if not self._write("heartbeat", self._w.hexists, self.keys.shards, shard):
             raise BadRequest(f"unknown shard {shard!r}: register it first")
         self._write("heartbeat", self._w.set, self.keys.heartbeat(shard), 1, px=max(1, int(ttl_s * 1000)))
@@ -262,13 +246,13 @@ class RedisIndex(Index):
         return out
 
     def shard_keys(self, shard: str) -> set[ChunkKey]:
-        check_name("shard id", shard)
+        checks.check_name("shard id", shard)
         members = self._write("shard_keys", self._w.smembers, self.keys.shard_set(shard))
         return {ChunkKey(k) for k in members if len(k) == KEY_BYTES}  # NOTE: anything else is not a chunk key
 
     # ---------------------------------------------------------------- events
     def events(self, after: str = "0-0", count: int = 1000) -> list[Event]:
-        after, count = check_event_query(after, count)
+        after, count = checks.check_event_query(after, count)
         rows = self._write("events", self._w.xrange, self.keys.events, min=f"({after}", count=count)
         out = []
         for eid, f in rows:
