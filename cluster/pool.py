@@ -20,15 +20,13 @@ from kvpool.tenants import Tenant
 
 class ClusterPool(KeyedPool):
     def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
+        self.codec = ChunkCodec(spec)
         pages = [info.get("page_bytes", 0) for info in client.shards.values()]
-        if spec.storage_format == "raw" and pages and spec.chunk_nbytes > min(pages):
-            raise LayoutMismatch(
-                f"a chunk of {spec.model_id} takes {spec.chunk_nbytes} B but the pool's pages hold {min(pages)} B: "
-                f"start the pool with a page size >= {spec.chunk_nbytes} (kvpool up --page-size) or use smaller chunks"
-            )
+        if pages:
+            self.codec.check_page(min(pages), f"start the pool with a page size >= {spec.chunk_nbytes} "
+                                              "(kvpool up --page-size) or use smaller chunks")
         self.spec = spec
         self.client = client
-        self.codec = ChunkCodec(spec)
         self._salts = {t.id: t.salt for t in tenants}
         self._keys = KeyMaker(spec, self._salt)
 

@@ -38,6 +38,13 @@ class ChunkCodec:
         self.shape = spec.chunk_shape
         self.nbytes = spec.chunk_nbytes
 
+    def check_page(self, page_bytes: int, fix: str) -> None:
+        """Raises LayoutMismatch when a raw chunk of this spec does not fit a pool page of
+        ``page_bytes`` (``fix`` says how to start the pool instead)."""
+        if self.spec.storage_format == "raw" and self.nbytes > page_bytes:
+            raise LayoutMismatch(f"a chunk of {self.spec.model_id} takes {self.nbytes} B but the pool's pages hold "
+                                 f"{page_bytes} B: {fix}")
+
     def check(self, kv: object) -> None:
         """Raises LayoutMismatch unless ``kv`` is one whole raw chunk of this spec."""
         if not isinstance(kv, torch.Tensor):

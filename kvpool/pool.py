@@ -52,14 +52,10 @@ class LocalPool(KeyedPool):
     """A single-node pool for one KV spec (one model layout)."""
 
     def __init__(self, spec: KVSpec, store: ChunkStore) -> None:
-        if spec.storage_format == "raw" and spec.chunk_nbytes > store.page_bytes:
-            raise LayoutMismatch(
-                f"a chunk of {spec.model_id} takes {spec.chunk_nbytes} B but the store's pages hold "
-                f"{store.page_bytes} B: create the store with page_bytes >= spec.chunk_nbytes"
-            )
+        self.codec = ChunkCodec(spec)
+        self.codec.check_page(store.page_bytes, "create the store with page_bytes >= spec.chunk_nbytes")
         self.spec = spec
         self.store = store
-        self.codec = ChunkCodec(spec)
         self._keys = KeyMaker(spec, lambda tenant: self.tenants.get(tenant).salt)
 
     @classmethod
