@@ -1,0 +1,174 @@
+"""The ``kvpool bench`` commands: each benchmark beside its baseline in the same run. Benchmarks
+that need Ray or an engine are imported when their command runs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+from kvpool.errors import BadRequest
+
+
+def _bench_store(args: argparse.Namespace) -> int:
+    from kvpool.bench import store
+
+    result = store.run(chunks=args.chunks, trials=args.trials, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else store.format_table(result))
+    return 0
+
+
+def _bench_concurrency(args: argparse.Namespace) -> int:
+    from kvpool.bench import concurrency
+
+    setup = concurrency.Setup(hbm_gib=args.hbm_gib, horizon_s=args.horizon)
+    policies = None if args.policy == "all" else args.policy.split(",")
+    result = concurrency.run(setup, policies, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else concurrency.format_table(result))
+    return 0
+
+
+def _bench_index(args: argparse.Namespace) -> int:
+    from kvpool.bench import index
+
+    result = index.run(args.redis, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else index.format_table(result))
+    return 0
+
+
+def _bench_datapath(args: argparse.Namespace) -> int:
+    from kvpool.cluster import bench_datapath as datapath
+
+    if args.rdt:
+        result = datapath.probe_rdt()
+        print(json.dumps(result, indent=2))
+        return 0
+    if args.aggregate:
+        rows = datapath.run_aggregate(max_nodes=args.nodes, progress=not args.json)
+        print(json.dumps(rows, indent=2) if args.json else datapath.format_aggregate(rows))
+        return 0
+    result = datapath.run(nodes=args.nodes, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else datapath.format_table(result))
+    return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from kvpool.cluster import soak
+
+    r = soak.run(seconds=args.seconds, clients=args.clients, nodes=args.nodes, progress=not args.json)
+    print(json.dumps(r, indent=2) if args.json else soak.format_report(r))
+    return 0 if r["wrong_bytes"] == 0 else 1
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from kvpool.bench import kernels
+
+    result = kernels.run(device=args.device, context=args.context, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else kernels.format_table(result))
+    return 0
+
+
+def _bench_ttft(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_ttft
+
+    try:
+        contexts = [int(c) for c in args.context.split(",")]
+    except ValueError:
+        raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
+    if args.json:
+        with _stdout_to_stderr():  # engines log to stdout; --json prints only JSON there
+            rows = bench_ttft.run(args.engine, contexts, progress=False)
+        print(json.dumps(rows, indent=2))
+    else:
+        print(bench_ttft.format_table(bench_ttft.run(args.engine, contexts, progress=True)))
+    return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Sends everything written to stdout meanwhile (Python and native code alike) to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _bench_weights(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_weights
+
+    try:
+        result = bench_weights.run(args.size_gib, args.rounds, args.dir, progress=not args.json)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    print(json.dumps(result, indent=2) if args.json else bench_weights.format_table(result))
+    return 0
+
+
+def _bench_sliding(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_sliding
+
+    rows = bench_sliding.run(args.context, args.rounds, progress=not args.json)
+    print(json.dumps(rows, indent=2) if args.json else bench_sliding.format_table(rows))
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    """Adds ``kvpool bench ...`` to the CLI's subcommands."""
+    b = sub.add_parser("bench", help="benchmarks, each beside its baseline in the same run")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser("store", help="key hashing and chunk-store put/get vs a plain copy")
+    bs.add_argument("--chunks", type=int, default=8, help="chunks per trial (32 MiB each)")
+    bs.add_argument("--trials", type=int, default=7)
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=_bench_store)
+    bc = bsub.add_parser("concurrency", help="most concurrent sessions each eviction strategy sustains")
+    bc.add_argument("--hbm-gib", type=float, default=16.0, help="GPU memory for KV (default 16)")
+    bc.add_argument("--horizon", type=float, default=600.0, help="simulated seconds per trial (default 600)")
+    bc.add_argument("--policy", default="all")
+    bc.add_argument("--json", action="store_true")
+    bc.set_defaults(func=_bench_concurrency)
+    bi = bsub.add_parser("index", help="prefix lookup latency and publish throughput vs a plain MGET")
+    bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    bi.add_argument("--json", action="store_true")
+    bi.set_defaults(func=_bench_index)
+    bd = bsub.add_parser("datapath", help="same-node and cross-node chunk transfer vs copy and raw Ray")
+    bd.add_argument("--nodes", type=int, default=2, help="nodes (with --aggregate: grow from 1 to this many)")
+    bd.add_argument("--aggregate", action="store_true", help="one client per node at once, 1..N nodes")
+    bd.add_argument("--rdt", action="store_true", help="probe Ray's direct tensor transport against the object store")
+    bd.add_argument("--json", action="store_true")
+    bd.set_defaults(func=_bench_datapath)
+    bk = bsub.add_parser("kernels", help="paged gather/scatter vs a plain copy, quantization, scoring at 32K")
+    bk.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    bk.add_argument("--context", type=int, default=32768)
+    bk.add_argument("--json", action="store_true")
+    bk.set_defaults(func=_bench_kernels)
+    bs = bsub.add_parser("soak", help="concurrent clients on a local multi-node pool: throughput, p99, errors, RSS")
+    bs.add_argument("--seconds", type=float, default=600.0, help="measured time after warm-up (default 600)")
+    bs.add_argument("--clients", type=int, default=4)
+    bs.add_argument("--nodes", type=int, default=2)
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=_bench_soak)
+    bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
+    bt.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    bt.add_argument("--json", action="store_true")
+    bt.set_defaults(func=_bench_ttft)
+    bw = bsub.add_parser("weights", help="cost of the weights fingerprint: first start and cached, beside a plain read")
+    bw.add_argument("--size-gib", type=float, default=16.0, help="size of the simulated checkpoint")
+    bw.add_argument("--rounds", type=int, default=3)
+    bw.add_argument("--dir", default=None, help="where to write it (default /var/tmp)")
+    bw.add_argument("--json", action="store_true")
+    bw.set_defaults(func=_bench_weights)
+    bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")
+    bl.add_argument("--context", type=int, default=8192)
+    bl.add_argument("--rounds", type=int, default=3)
+    bl.add_argument("--json", action="store_true")
+    bl.set_defaults(func=_bench_sliding)
