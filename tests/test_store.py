@@ -312,3 +312,30 @@ def test_scrub_must_be_a_bool():
 
     with pytest.raises(BadRequest, match="scrub must be true or false"):
         Tenant("x", scrub="yes")
+
+
+@pytest.mark.parametrize("path", ["abort", "expiry", "drain"])
+def test_a_scrubbing_writers_reserved_page_is_zeroed_on_every_free_path(path):
+    """A writer in another process copies its bytes into the reserved page before it commits: a
+    reservation that is aborted, that expires, or that a draining shard ends frees that page,
+    and for a scrubbing tenant nothing of what it copied stays (a plain tenant's page, the
+    control, keeps it)."""
+    from kvpool import Tenant
+
+    s = make_store(dram_pages=4, tenants=[Tenant("secret", scrub=True), Tenant("plain")])
+    pages = {}
+    for tenant, seed in (("secret", 1), ("plain", 2)):
+        keys = make_keys(1, seed=seed)
+        hid, (place,) = s.reserve(keys, [1000], tenant, ttl_s=0.0 if path == "expiry" else 30.0)
+        s.slab("dram").buf[place.offset : place.offset + 1000] = payload(seed)
+        pages[tenant] = (hid, place.offset)
+    for hid, _ in pages.values():
+        if path == "abort":
+            s.abort(hid)
+    if path == "expiry":
+        assert s.expire_holds() == 2
+    if path == "drain":
+        assert s.expire_holds(now=float("inf")) == 2  # what a draining shard does before it closes
+    buf = s.slab("dram").buf
+    assert not buf[pages["secret"][1] : pages["secret"][1] + 1000].any()
+    assert np.array_equal(buf[pages["plain"][1] : pages["plain"][1] + 1000], payload(2))  # the control

@@ -28,7 +28,9 @@ class HooksMixin(CacheHooks):
         return True
 
     def _scrubs(self, node: int) -> bool:
-        return self._ready[node] and self.tenants.by_index(int(self._tenant[node])).scrub
+        """Whether the page a node frees must be zeroed: its owner's tenant asks for it. A page not
+        yet ready belongs to its writer (set at insert) and may hold part of its bytes already."""
+        return self.tenants.by_index(int(self._tenant[node])).scrub
 
     def dropped(self, node: int, tier: int, page: int, reason: str) -> None:
         name = self.tier_names[tier]

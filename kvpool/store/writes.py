@@ -160,7 +160,13 @@ class WritesMixin:
             if guarded:
                 cache.res.guard = self._guard
             try:
-                return cache.insert(key, NO_PARENT if prev is None else prev, position, access, raise_full=True)
+                node = cache.insert(key, NO_PARENT if prev is None else prev, position, access, raise_full=True)
+                if node is not None:
+                    # NOTE: the writer owns the page from now on, before its bytes are in place (not
+                    # ready: nobody finds it), so a write that is aborted, expires or fails frees it
+                    # as the writer's page: scrubbed when the writer's tenant asks for it.
+                    self._tenant[node] = t_idx
+                return node
             except PoolFull:
                 victim = self._lowest_priority_request()
                 if victim is None:
