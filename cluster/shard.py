@@ -29,11 +29,13 @@ from kvpool.cluster.messages import (
     Reserved,
     check_version,
 )
-from kvpool.errors import BadRequest, KvPoolError, QuotaExceeded
+from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
+
+DRILLS_ENV = "KVPOOL_DRILLS"
 
 log = logging.getLogger("kvpool.shard")
 SHM_DIR = "/dev/shm"
@@ -280,9 +282,18 @@ class ShardActor:
         return time.time()
 
     # ---------------------------------------------------------------- drills
+    # NOTE: drills stall the data path and list or locate every tenant's chunks, so a shard
+    # answers them only when it was started with KVPOOL_DRILLS=1 (tests, staging): in production
+    # any process that can reach the actor could otherwise slow the pool or map its contents.
+    def _drill(self, what: str) -> None:
+        if os.environ.get(DRILLS_ENV) != "1":
+            raise Forbidden(f"{what} is a drill and drills are off on shard {self.shard_id}: start the pool with "
+                            f"{DRILLS_ENV}=1 (tests and staging only)")
+
     def inject(self, stall_s: float = 0.0) -> None:
         """Fault injection for drills and tests: every data-path call answers ``stall_s`` late
         (0 clears it). Membership and stats calls are not slowed."""
+        self._drill("inject")
         self._stall_s = float(stall_s)
 
     def _maybe_stall(self) -> None:
@@ -291,10 +302,12 @@ class ShardActor:
 
     def held(self) -> list[bytes]:
         """Keys of the chunks this shard holds (to check that the index converged on them)."""
+        self._drill("held")
         return [bytes(e.key) for e in self.store.index_entries(self.shard_id)]
 
     def locate(self, key) -> tuple[str, int, int] | None:
         """(tier, byte offset in its slab, bytes) of a chunk, for drills that corrupt a payload."""
+        self._drill("locate")
         key = ChunkKey(bytes(key))
         where, entries = self.store.locate(key), self.store.index_entries(self.shard_id, [key])
         if where is None or not entries:

@@ -61,6 +61,13 @@ class UnknownTenant(KvPoolError, KeyError):
         self.tenant = tenant
 
 
+class Forbidden(KvPoolError):
+    """The caller may not do this (a drill on a production shard, ...); the message says how it
+    is allowed."""
+
+    status = 403
+
+
 class ChunkTooLarge(BadRequest):
     """A payload is larger than one page of the store."""
 

@@ -20,7 +20,7 @@ from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import CONTROLLER
 from kvpool.cluster.local import local_cluster
-from kvpool.cluster.shard import shard_name
+from kvpool.cluster.shard import DRILLS_ENV, shard_name
 from kvpool.errors import KvPoolError
 
 PAGE = 4096
@@ -38,10 +38,14 @@ def redis(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(redis):
     fast = {"health_check_failure_threshold": 2, "health_check_period_ms": 500, "health_check_initial_delay_ms": 0}
-    with local_cluster(3, namespace="kvpool-faults", system_config=fast) as (c, nodes):
-        up(store={"page_bytes": PAGE, "dram_pages": 128}, tenants=[{"id": "a"}], index_url=redis.url, ttl_s=1.5,
-           controller_interval_s=0.5, namespace="kvpool-faults")
-        yield c, nodes
+    os.environ[DRILLS_ENV] = "1"  # this module's shards answer drills (stalls, locate, held)
+    try:
+        with local_cluster(3, namespace="kvpool-faults", system_config=fast) as (c, nodes):
+            up(store={"page_bytes": PAGE, "dram_pages": 128}, tenants=[{"id": "a"}], index_url=redis.url, ttl_s=1.5,
+               controller_interval_s=0.5, namespace="kvpool-faults")
+            yield c, nodes
+    finally:
+        os.environ.pop(DRILLS_ENV, None)  # later modules' shards answer no drill
 
 
 @pytest.fixture(scope="module")

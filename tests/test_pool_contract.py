@@ -174,3 +174,18 @@ def test_a_shard_and_a_client_of_other_wire_versions_refuse_each_other(cluster_p
     with pytest.raises(WireMismatch, match="this client speaks kvpool wire version 1 but got a Got of version 3"):
         check_version(Got([], version=3), "this client")
     assert cluster_pool.lookup("a", [key]) == 0  # nothing was written by the refused calls
+
+
+def test_a_production_shard_answers_no_drill(cluster_pool):
+    """Stalling a shard, listing what it holds and locating a chunk in its slab are drills: a
+    shard started without KVPOOL_DRILLS=1 refuses them (403), whoever asks."""
+    import ray
+
+    from kvpool.cluster.shard import shard_name
+    from kvpool.errors import Forbidden
+
+    client = cluster_pool.client
+    shard = ray.get_actor(shard_name(client.pool, next(iter(client.shards))), namespace=client.namespace)
+    for call in (shard.inject.remote(stall_s=5.0), shard.held.remote(), shard.locate.remote(b"k" * 16)):
+        with pytest.raises(Forbidden, match="KVPOOL_DRILLS=1"):
+            ray.get(call, timeout=10)
