@@ -1,4 +1,5 @@
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -339,3 +340,27 @@ def test_a_scrubbing_writers_reserved_page_is_zeroed_on_every_free_path(path):
     buf = s.slab("dram").buf
     assert not buf[pages["secret"][1] : pages["secret"][1] + 1000].any()
     assert np.array_equal(buf[pages["plain"][1] : pages["plain"][1] + 1000], payload(2))  # the control
+
+
+@pytest.mark.parametrize("share, mallory_leases, alice_stores", [(0.25, 2, True), (1.0, 8, False)])
+def test_one_tenants_read_leases_cannot_stop_everyone_elses_writes(share, mallory_leases, alice_stores):
+    """A read lease costs its tenant nothing and a leased chunk cannot be evicted: a tenant that
+    leases its whole full pool (and renews) would stop every other tenant's writes. Its leases are
+    bounded to a share of the pages (beyond, a read is a miss); with no bound (the control, share
+    1.0) the victim's write fails with 507."""
+    from kvpool import PoolFull, Tenant
+
+    s = make_store(dram_pages=8, tenants=[Tenant("alice"), Tenant("mallory")], max_read_hold_fraction=share,
+                   max_hold_ttl_s=5.0)
+    keys = make_keys(8, seed=3)
+    assert sum(s.put_many(keys, [payload(i) for i in range(8)], "mallory")) == 8
+    hid, places = s.lease_reads(keys, "mallory", ttl_s=1e9)  # asks for ever: gets max_hold_ttl_s
+    assert len(places) == mallory_leases
+    assert s.lease_reads(keys, "mallory")[1] == [] or share == 1.0  # a second lease gets nothing more
+    mine = make_keys(4, seed=4)
+    if alice_stores:
+        assert sum(s.put_many(mine, [payload(i) for i in range(4)], "alice")) == 4
+    else:
+        with pytest.raises(PoolFull):
+            s.put_many(mine, [payload(i) for i in range(4)], "alice")
+    assert s.expire_holds(now=time.monotonic() + 6.0) >= 1  # the lease lapsed at the capped TTL

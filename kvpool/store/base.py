@@ -52,6 +52,7 @@ class StoreBase:
         self._requests = itertools.count(1)
         self._active: dict[int, ActiveRequest] = {}
         self._holds: dict[int, _Hold] = {}  # reservations and read leases of other processes
+        self._read_held: dict[int, int] = {}  # tenant index -> pages its read leases hold
         self._gone: list[ChunkKey] = []  # findable chunks that left since take_gone(): the index forgets them
         self.track_gone = False  # a shard that publishes to an index turns this on
         self._writer = -1  # tenant index of the write making room now (for guaranteed shares)

@@ -35,6 +35,11 @@ class StoreConfig:
     high_watermark: float | None = None
     low_watermark: float | None = None
     background_eviction: bool = False
+    # NOTE: read leases of other processes cost their tenant nothing, and a leased chunk cannot
+    # be evicted: without a bound one tenant could lease the whole pool again and again and stop
+    # every other tenant's writes. Beyond its share, a tenant's read is a miss; holds expire.
+    max_read_hold_fraction: float = 0.5
+    max_hold_ttl_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.disk_pages and not self.disk_dir:
@@ -63,6 +68,12 @@ class StoreConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
                 raise BadRequest(f"{name} must be a fraction of a tier in (0, 1] or None, got {v!r}")
+        f = self.max_read_hold_fraction
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
+            raise BadRequest(f"max_read_hold_fraction must be a share of the pool in (0, 1], got {f!r}")
+        t = self.max_hold_ttl_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+            raise BadRequest(f"max_hold_ttl_s must be a finite number of seconds > 0, got {t!r}")
         high, low = self.watermarks
         if not 0 < low < high <= 1:
             raise BadRequest(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")

@@ -54,7 +54,8 @@ class HoldsMixin:
         keys = as_keys(keys)
         sizes = _as_list("sizes", sizes)
         shared = _check_flag("shared", shared)
-        first_position, ttl_s = _check_position(first_position), _check_ttl(ttl_s)
+        first_position = _check_position(first_position)
+        ttl_s = min(_check_ttl(ttl_s), self.config.max_hold_ttl_s)
         if parent is not None:
             parent = as_key(parent)
         if len(keys) != len(sizes) or len(set(keys)) != len(keys):
@@ -146,13 +147,15 @@ class HoldsMixin:
         client that asks the index at the same time). ``release`` (or ``ttl_s``) ends the lease."""
         t_idx = self.tenants.index(tenant)
         keys = as_keys(keys)
-        ttl_s = _check_ttl(ttl_s)
+        ttl_s = min(_check_ttl(ttl_s), self.config.max_hold_ttl_s)
         with self._lock:
-            hold = _Hold("read", [], time.monotonic() + ttl_s)
+            hold = _Hold("read", [], time.monotonic() + ttl_s, t_idx)
             out: list[Placement | None] = []
             c = self._cache
+            room = max(1, int(self.config.max_read_hold_fraction * c.capacity)) - self._read_held.get(t_idx, 0)
             for k in keys:
-                node = self._acquire_for_read(k, t_idx)
+                # beyond the tenant's share of leased pages a read is a miss (see StoreConfig)
+                node = self._acquire_for_read(k, t_idx) if len(hold.nodes) < room else None
                 if node is not None and c.node_tier[node] != 0:  # not promoted: not mappable
                     self._unlease(node)
                     node = None
@@ -165,6 +168,7 @@ class HoldsMixin:
                 out.append(Placement(k, c.node_page[node] * self.config.page_bytes, int(self._nbytes[node]),
                                      int(self._checksum[node])))
             self._touch(hold.nodes)
+            self._read_held[t_idx] = self._read_held.get(t_idx, 0) + len(hold.nodes)
             hid = next(self._requests)
             self._holds[hid] = hold
             m = self.metrics
@@ -202,6 +206,8 @@ class HoldsMixin:
         hold = self._holds.pop(hold_id, None)
         if hold is None:
             return
+        if hold.kind == "read":
+            self._read_held[hold.t_idx] -= len(hold.nodes)
         for node in hold.nodes:
             ready = self._ready[node]
             self._unlease(node)
