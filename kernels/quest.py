@@ -61,16 +61,18 @@ def page_bound_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> t
 if HAVE_TRITON:
 
     @triton.jit
+    def _tile(Hkv, BP: tl.constexpr, BD: tl.constexpr):
+        """This program's (b, kv-head) row, its tile of BP pages and the BD lanes of a head."""
+        pid_bh = tl.program_id(0)
+        offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
+        return pid_bh, pid_bh // Hkv, pid_bh % Hkv, offs_p, tl.arange(0, BD)
+
+    @triton.jit
     def _page_minmax_kernel(k_ptr, min_ptr, max_ptr, skb, skh, skn, skd,
                             Hkv, L, D, P, PAGE: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr):
         """One program per (b, kv-head, tile of BP pages): walks the page's tokens, one row per page
         at a time, keeping running elementwise min and max."""
-        pid_bh = tl.program_id(0)
-        pid_p = tl.program_id(1)
-        b = pid_bh // Hkv
-        hk = pid_bh % Hkv
-        offs_p = pid_p * BP + tl.arange(0, BP)
-        offs_d = tl.arange(0, BD)
+        pid_bh, b, hk, offs_p, offs_d = _tile(Hkv, BP, BD)
         dmask = offs_d[None, :] < D
         lo = tl.full([BP, BD], float("inf"), tl.float32)
         hi = tl.full([BP, BD], float("-inf"), tl.float32)
@@ -91,12 +93,7 @@ if HAVE_TRITON:
                            Hkv, G, P, D, inv_g, BP: tl.constexpr, BD: tl.constexpr):
         """One program per (b, kv-head, tile of BP pages): the bound for each query head of the
         group, averaged."""
-        pid_bh = tl.program_id(0)
-        pid_p = tl.program_id(1)
-        b = pid_bh // Hkv
-        hk = pid_bh % Hkv
-        offs_p = pid_p * BP + tl.arange(0, BP)
-        offs_d = tl.arange(0, BD)
+        pid_bh, b, hk, offs_p, offs_d = _tile(Hkv, BP, BD)
         mask = (offs_p[:, None] < P) & (offs_d[None, :] < D)
         meta = pid_bh * P * D + offs_p[:, None] * D + offs_d[None, :]
         lo = tl.load(min_ptr + meta, mask=mask, other=0.0)
