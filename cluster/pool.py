@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvpool.codec import ChunkCodec
-from kvpool.errors import LayoutMismatch, UnknownTenant
+from kvpool.errors import UnknownTenant
 from kvpool.keying import KeyedPool, KeyMaker
 from kvpool.keys import ChunkKey, as_keys
 from kvpool.spec import KVSpec
@@ -80,13 +80,8 @@ class ClusterPool(KeyedPool):
         """Stores the chunks of ``keys[start:]``; with ``request`` they stay leased until it ends.
         Every chunk is checked before anything is written."""
         self._check_tenant(tenant)
-        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
-            raise LayoutMismatch(f"chunks must be a list of KV tensors, got {type(chunks).__name__}: wrap one in [chunk]")
         keys = as_keys(keys)
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start + len(chunks) > len(keys):
-            raise LayoutMismatch(f"{len(chunks)} chunks from position {start!r} but only {len(keys)} keys: only whole "
-                                 "chunks are keyed")
-        payloads = [self.codec.encode(c) for c in chunks]
+        payloads = self.codec.encode_run(keys, chunks, start)
         return self.client.put(tenant, keys[start : start + len(chunks)], payloads, shared=shared,
                                first_position=start, request=request)
 

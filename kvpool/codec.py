@@ -8,10 +8,12 @@ never a half-filled tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from kvpool.errors import LayoutMismatch
+from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.spec import KVSpec
 
 _TORCH_DTYPES = {
@@ -62,6 +64,20 @@ class ChunkCodec:
             raise LayoutMismatch(f"KV chunk shape {tuple(kv.shape)} does not match the spec's chunk shape {want} "
                                  "([layers, 2, chunk_tokens, kv_heads, head_dim]; [layers, chunk_tokens, kv_heads, "
                                  "head_dim + v_head_dim] when V's width differs)")
+
+    def encode_run(self, keys: list, chunks: object, start: object) -> list[np.ndarray]:
+        """The bytes of the chunks of ``keys[start:]``, every argument and chunk checked before any
+        is encoded (a pool's save writes nothing on bad input)."""
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise BadRequest(f"start must be the int index of the first chunk's key, got {start!r}")
+        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
+            raise LayoutMismatch(f"chunks must be a list of KV tensors, got {type(chunks).__name__}: wrap one in [chunk]")
+        if start < 0 or start + len(chunks) > len(keys):
+            raise LayoutMismatch(f"{len(chunks)} chunks from position {start} but only {len(keys)} keys: only whole "
+                                 "chunks are keyed")
+        for c in chunks:
+            self.check(c)
+        return [self.encode(c) for c in chunks]
 
     def encode(self, kv: torch.Tensor) -> np.ndarray:
         """The chunk's bytes (a flat uint8 array; no copy when the tensor is contiguous on the CPU)."""

@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvpool.codec import ChunkCodec, torch_dtype
-from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.keying import KeyedPool, KeyMaker
 from kvpool.keys import ChunkKey, as_keys
 from kvpool.spec import KVSpec
@@ -93,18 +92,8 @@ class LocalPool(KeyedPool):
         each); the policy hears once of all the request's chunks. Returns how many were stored.
         Everything is validated before anything is written. The new chunks stay leased with
         ``request`` until the caller ends it."""
-        if not isinstance(start, int) or isinstance(start, bool):
-            raise BadRequest(f"start must be the int index of the first chunk's key, got {start!r}")
-        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
-            raise LayoutMismatch(
-                f"chunks must be a list of KV tensors, got {type(chunks).__name__}: wrap one in [chunk]"
-            )
         keys = as_keys(keys)
-        if start < 0 or start + len(chunks) > len(keys):
-            raise LayoutMismatch(
-                f"{len(chunks)} chunks from position {start} but only {len(keys)} keys: only whole chunks are keyed"
-            )
-        payloads = [self.codec.encode(c) for c in chunks]  # every chunk checked before anything is written
+        payloads = self.codec.encode_run(keys, chunks, start)
         n = len(keys)
         access = self.store.new_access(n, n, start)
         parent = keys[start - 1] if start else None
