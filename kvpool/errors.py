@@ -61,6 +61,13 @@ class UnknownTenant(KvPoolError, KeyError):
         self.tenant = tenant
 
 
+class Unauthorized(KvPoolError):
+    """No verifiable credential: a bare name or a forged credential on a secured pool; the message
+    says where a credential comes from."""
+
+    status = 401
+
+
 class Forbidden(KvPoolError):
     """The caller may not do this (a drill on a production shard, ...); the message says how it
     is allowed."""

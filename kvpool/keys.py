@@ -52,6 +52,27 @@ class ChunkKey(bytes):
         return self.hex()
 
 
+class SharedKey(ChunkKey):
+    """A key of the shared namespace (``keys(..., shared=True)``): it addresses the chunks an
+    operator published to every tenant, never a tenant's own (kvpool.auth: scopes)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"SharedKey({self.hex()[:12]}…)"
+
+
+def is_shared(keys: Sequence[ChunkKey]) -> bool:
+    """Whether ``keys`` (one prompt's) are the shared namespace's; a mix is bad input."""
+    if not keys:
+        return False
+    shared = isinstance(keys[0], SharedKey)
+    if any(isinstance(k, SharedKey) != shared for k in keys):
+        raise BadRequest("these keys mix the shared namespace and a tenant's: derive one prompt's keys with one "
+                         "keys(...) call")
+    return shared
+
+
 def as_key(value: object) -> ChunkKey:
     """Checks that ``value`` is a ChunkKey (the boundary check of every public API)."""
     if isinstance(value, ChunkKey):
@@ -134,12 +155,13 @@ def tokens_le_int32(tokens: object) -> np.ndarray:
 
 
 def chunk_keys(
-    tokens: object, namespace: Namespace, chunk_tokens: int, start: ChunkKey | None = None
+    tokens: object, namespace: Namespace, chunk_tokens: int, start: ChunkKey | None = None,
+    kind: type[ChunkKey] = ChunkKey,
 ) -> list[ChunkKey]:
     """Keys of every full chunk of ``tokens``; a trailing partial chunk gets no key.
 
     ``start`` continues a chain: pass the last key of the tokens already hashed and only the
-    tokens after them.
+    tokens after them. ``kind`` is the keys' class (SharedKey for the shared namespace).
     """
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
         raise BadRequest(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
@@ -154,5 +176,5 @@ def chunk_keys(
     append = keys.append
     for a in range(0, n * step, step):
         prev = digest(prev + data[a : a + step])
-        append(make(ChunkKey, prev))
+        append(make(kind, prev))
     return keys

@@ -11,9 +11,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kvpool.auth import Authority, Principal, namespace_salt, scope_tag, scoped
 from kvpool.codec import ChunkCodec, torch_dtype
+from kvpool.errors import BadRequest, Forbidden
 from kvpool.keying import KeyedPool, KeyMaker
-from kvpool.keys import ChunkKey, as_keys
+from kvpool.keys import ChunkKey, as_keys, is_shared
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
 from kvpool.tenants import TenantRegistry
@@ -48,28 +50,58 @@ class KVView:
 
 
 class LocalPool(KeyedPool):
-    """A single-node pool for one KV spec (one model layout)."""
+    """A single-node pool for one KV spec (one model layout).
 
-    def __init__(self, spec: KVSpec, store: ChunkStore) -> None:
+    With an ``authority`` that holds a pool secret, every ``tenant`` argument is a credential
+    (kvpool.auth); without one (the default) it is a tenant id and the process is trusted. Either
+    way a tenant's keys address its own scope of the store and shared keys the shared one, which
+    only an operator writes."""
+
+    def __init__(self, spec: KVSpec, store: ChunkStore, authority: Authority | None = None) -> None:
         self.codec = ChunkCodec(spec)
         self.codec.check_page(store.page_bytes, "create the store with page_bytes >= spec.chunk_nbytes")
         self.spec = spec
         self.store = store
-        self._keys = KeyMaker(spec, lambda tenant: self.tenants.get(tenant).salt)
+        self.auth = authority if authority is not None else Authority(None)
+        self._keys = KeyMaker(spec, self._salt)
 
     @classmethod
-    def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, **config) -> "LocalPool":
+    def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, *,
+               authority: Authority | None = None, **config) -> "LocalPool":
         """A pool whose pages are exactly one chunk of ``spec``."""
-        return cls(spec, ChunkStore(StoreConfig(spec.chunk_nbytes, dram_chunks, **config), tenants))
+        return cls(spec, ChunkStore(StoreConfig(spec.chunk_nbytes, dram_chunks, **config), tenants), authority)
 
     @property
     def tenants(self) -> TenantRegistry:
         return self.store.tenants
 
+    # ------------------------------------------------------------------ who and where
+    def _who(self, tenant: str) -> Principal:
+        """The verified caller (401 for a bare name or a forged credential on a secured pool; 404
+        for a tenant the pool does not serve)."""
+        p = self.auth.verify(tenant)
+        self.tenants.index(p.tenant)
+        return p
+
+    def _salt(self, tenant: str) -> bytes:
+        p = self._who(tenant)
+        salt = self.tenants.get(p.tenant).salt
+        return namespace_salt(tenant) + b"/" + salt if self.auth.secured else salt
+
+    def _where(self, p: Principal, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """The store's addresses of ``keys``: the caller's own scope, or the shared one for shared keys."""
+        return scoped(keys, scope_tag(None if is_shared(keys) else p.tenant))
+
+    def addresses(self, tenant: str, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Where the store keeps a tenant's chunks of ``keys`` (for tools and tests that look
+        inside ``self.store``)."""
+        return self._where(self._who(tenant), as_keys(keys))
+
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of resident chunks."""
+        p = self._who(tenant)
         n = 0
-        for present in self.store.contains_many(keys, tenant):
+        for present in self.store.contains_many(self._where(p, as_keys(keys)), p.tenant):
             if not present:
                 break
             n += 1
@@ -81,7 +113,8 @@ class LocalPool(KeyedPool):
 
     def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None) -> ActiveRequest:
         """A request starts: the leading run of its cached chunks is leased until ``end``."""
-        return self.store.begin(tenant, keys, priority)
+        p = self._who(tenant)
+        return self.store.begin(p.tenant, self._where(p, as_keys(keys)), priority)
 
     def end(self, request: ActiveRequest) -> None:
         self.store.end(request)
@@ -91,22 +124,27 @@ class LocalPool(KeyedPool):
         """Stores the chunks of ``keys[start:]`` (``[layers, 2, chunk_tokens, kv_heads, head_dim]``
         each); the policy hears once of all the request's chunks. Returns how many were stored.
         Everything is validated before anything is written. The new chunks stay leased with
-        ``request`` until the caller ends it."""
+        ``request`` until the caller ends it. Shared keys (``keys(..., shared=True)``) are written
+        with ``shared=True`` and an operator's credential only (403 otherwise)."""
+        p = self._who(tenant)
         keys = as_keys(keys)
+        check_shared_write(p, keys, shared)
         payloads = self.codec.encode_run(keys, chunks, start)
+        where = self._where(p, keys)
         n = len(keys)
         access = self.store.new_access(n, n, start)
-        parent = keys[start - 1] if start else None
-        stored = self.store.put_many(list(keys[start : start + len(chunks)]), payloads, tenant, shared=shared,
+        parent = where[start - 1] if start else None
+        stored = self.store.put_many(where[start : start + len(chunks)], payloads, p.tenant, shared=shared,
                                      parent=parent, first_position=start, access=access, request=request)
-        self.store.access(keys[: start + len(chunks)], tenant, access)
+        self.store.access(where[: start + len(chunks)], p.tenant, access)
         return sum(stored)
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         """The leading run of chunks that are resident and verify; each shaped like the spec. The
         policy hears of them when the request ends (``save``)."""
-        self.tenants.index(tenant)  # bad input fails before any chunk is read or counted
-        keys = as_keys(keys)
+        p = self._who(tenant)  # bad input fails before any chunk is read or counted
+        keys = self._where(p, as_keys(keys))
+        tenant = p.tenant
         out: list[torch.Tensor] = []
         m = self.store.metrics
         for key in keys:
@@ -139,8 +177,8 @@ class LocalPool(KeyedPool):
         evicted or rewritten by the pool, so the bytes the caller copies are the bytes verified;
         ``load`` verifies its private copy instead, which costs one more pass over the bytes
         (measured on vLLM's load path: see connectors/vllm_worker.py)."""
-        self.tenants.index(tenant)  # bad input fails here, before anything is read
-        return self._views(tenant, as_keys(keys))
+        p = self._who(tenant)  # bad input fails here, before anything is read
+        return self._views(p.tenant, self._where(p, as_keys(keys)))
 
     def _views(self, tenant: str, keys: list[ChunkKey]) -> Iterator[KVView]:
         m = self.store.metrics
@@ -186,7 +224,7 @@ class LocalPool(KeyedPool):
             keys = self.keys(tenant, tokens, shared=shared)
             stored += self.save(tenant, keys, chunks, shared=shared)
             if pin:
-                pinned += self.store.pin(keys[: len(chunks)], tenant)
+                pinned += self.pin(tenant, keys[: len(chunks)])
         return stored, pinned
 
     def stats(self) -> dict:
@@ -195,8 +233,22 @@ class LocalPool(KeyedPool):
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Pins resident chunks (warm-up), up to the policy's pinned cap; how many."""
-        return self.store.pin(keys, tenant)
+        p = self._who(tenant)
+        return self.store.pin(self._where(p, as_keys(keys)), p.tenant)
 
     def lease(self, tenant: str, keys: Sequence[ChunkKey]) -> Lease:
         """Pins a request's chunks while it is in flight."""
-        return self.store.lease(keys, tenant)
+        p = self._who(tenant)
+        return self.store.lease(self._where(p, as_keys(keys)), p.tenant)
+
+
+def check_shared_write(p: Principal, keys: Sequence[ChunkKey], shared: object) -> None:
+    """A write's ``shared`` flag agrees with its keys, and only an operator writes shared keys."""
+    if not isinstance(shared, bool):
+        raise BadRequest(f"shared must be True or False, got {shared!r}")
+    if is_shared(keys) != shared:
+        raise BadRequest("shared=True goes with keys derived with keys(..., shared=True), and only with them"
+                         if shared else "these are shared keys: write them with shared=True (an operator credential)")
+    if shared and not p.operator:
+        raise Forbidden(f"only an operator writes the shared namespace (warm-up); {p.tenant!r} presented a "
+                        f"{p.role} credential")

@@ -526,7 +526,8 @@ def test_a_malformed_key_anywhere_in_a_prompt_fails_before_anything_is_read_or_w
 def test_a_truncated_payload_under_a_pool_key_loads_as_a_miss_never_half_a_tensor(size):
     """Bytes put through the bare store under a pool's key, shorter than a chunk of the spec."""
     pool, keys = filled_pool()
-    assert pool.store.put(keys[2], payload(3, size), "a", parent=keys[1])
+    where = pool.addresses("a", keys)
+    assert pool.store.put(where[2], payload(3, size), "a", parent=where[1])
     loaded = pool.load("a", keys)
     assert len(loaded) == 2 and torch.equal(loaded[0], chunk(0)) and torch.equal(loaded[1], chunk(1))
     assert pool.load("a", keys[2:]) == []

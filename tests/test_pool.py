@@ -104,7 +104,7 @@ def test_load_views_gives_the_load_run_in_place_and_leases_until_release():
     first = next(it)
     assert torch.equal(first.kv, kv[0]) and first.kv.dtype == torch.float32
     assert not first.data.flags.writeable
-    tier, page = pool.store.locate(keys[0])
+    tier, page = pool.store.locate(pool.addresses("a", keys)[0])
     assert first.kv.data_ptr() == pool.store.slab(tier).page(page).ctypes.data  # the pool's page, no copy
     assert leased_pages(pool) == 1
     rest = list(it)
@@ -140,7 +140,7 @@ def test_load_views_drops_a_corrupt_chunk_and_ends_the_run():
     keys = pool.keys("a", np.arange(8 * 3))
     kv = chunks_for(3)
     pool.save("a", keys, kv)
-    tier, page = pool.store.locate(keys[1])
+    tier, page = pool.store.locate(pool.addresses("a", keys)[1])
     pool.store.slab(tier).page(page)[5] ^= 0x10
     views = list(pool.load_views("a", keys))
     assert len(views) == 1 and torch.equal(views[0].kv, kv[0])
@@ -204,7 +204,7 @@ def test_requests_through_two_pools_and_the_store_are_three_requests(policy):
     first = one.keys("a", np.arange(16))
     assert one.save("a", first, chunks_for(2, seed=1)) == 2
     direct = one.keys("a", np.arange(100, 116))
-    assert sum(store.put_many(direct, [c.reshape(-1).view(torch.uint8).numpy() for c in chunks_for(2, seed=2)],
+    assert sum(store.put_many(one.addresses("a", direct), [c.reshape(-1).view(torch.uint8).numpy() for c in chunks_for(2, seed=2)],
                               "a")) == 2
     second = two.keys("a", np.arange(200, 216))
     assert two.save("a", second, chunks_for(2, seed=3)) == 2

@@ -58,7 +58,7 @@ def kv(n: int, seed: int) -> list[torch.Tensor]:
 def raw_put(pool, tenant: str, keys, arrays) -> None:
     """Bytes written under keys without the pool's spec (another layout, or a bug)."""
     if isinstance(pool, LocalPool):
-        pool.store.put_many(keys, arrays, tenant)
+        pool.store.put_many(pool.addresses(tenant, keys), arrays, tenant)
     else:
         pool.client.put(tenant, keys, arrays)
 
