@@ -93,6 +93,14 @@ def namespace_salt(credential: str) -> bytes:
     return b"kvp1/ns/" + ns
 
 
+def request_secret(credential: str) -> str:
+    """What an engine's API user sends with a request (vLLM's ``cache_salt``, SGLang's extra info)
+    to be served as the credential's tenant. It derives from the credential's namespace, so it
+    cannot be guessed from the tenant id, and it is no credential: it cannot act on the pool."""
+    _, tenant, ns, _ = parse(credential)
+    return "kvr1." + _hmac(ns, "kvpool/request", tenant)[:16].hex()
+
+
 class Authority:
     """Issues and verifies credentials with the pool secret; ``Authority(None)`` is an open pool.
 
