@@ -8,6 +8,7 @@ import logging
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvpool.auth import Authority, default_credential
 from kvpool.cluster.controller import CONTROLLER, Controller
 from kvpool.cluster.index_actor import INDEX_ACTOR, IndexActor
 from kvpool.cluster.shard import ShardActor, shard_name
@@ -21,8 +22,14 @@ def shard_id_of(node_id: str) -> str:
 
 def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | None = None,
        index_url: str | None = None, namespace: str | None = None, ttl_s: float = 5.0,
-       controller_interval_s: float = 1.0, timeout_s: float = 120.0) -> dict:
-    """Places what is missing (idempotent: run it again after nodes join). Ray must be initialized."""
+       controller_interval_s: float = 1.0, timeout_s: float = 120.0, secret: str | None = None) -> dict:
+    """Places what is missing (idempotent: run it again after nodes join). Ray must be initialized.
+
+    ``secret``: the pool secret (kvpool.auth), given to the pool's actors in their environment; by
+    default this process's (``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET``), and without one the
+    pool is open (any caller may act as any tenant: loopback tests and demos only)."""
+    auth = Authority(secret) if secret is not None else Authority.from_env()
+    env = {"runtime_env": {"env_vars": auth.secret_env()}} if auth.secured else {}
     store = store or {"page_bytes": 32 << 20, "dram_pages": 16}
     tenants = tenants or [{"id": "default"}]
     # The control plane (and the embedded index) stays on this node, the one running `kvpool up`
@@ -30,9 +37,9 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     if not index_url:
         IndexActor.options(name=INDEX_ACTOR, namespace=namespace, get_if_exists=True, lifetime="detached",
-                           scheduling_strategy=here).remote()
+                           scheduling_strategy=here, **env).remote()
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True, lifetime="detached",
-                                    scheduling_strategy=here).remote(pool, index_url, controller_interval_s)
+                                    scheduling_strategy=here, **env).remote(pool, index_url, controller_interval_s)
     known = ray.get(controller.state.remote(), timeout=timeout_s)["shards"]
     started = []
     for node in ray.nodes():
@@ -43,18 +50,21 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
             continue
         h = ShardActor.options(
             name=shard_name(pool, sid), namespace=namespace, get_if_exists=True, lifetime="detached",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False), **env,
         ).remote(sid, pool, store, tenants, index_url, ttl_s)
         started.append((sid, h))
     for sid, h in started:
         info = ray.get(h.info.remote(), timeout=timeout_s)
-        ray.get(controller.register.remote(sid, info), timeout=timeout_s)
+        ray.get(controller.register.remote(sid, info, credential=auth.pool_credential()), timeout=timeout_s)
         log.info("kvpool: shard %s on node %s", sid, info["node_id"][:12])
     return ray.get(controller.state.remote(), timeout=timeout_s)
 
 
-def down(pool: str = "default", namespace: str | None = None, timeout_s: float = 30.0) -> int:
-    """Drains every shard (their entries leave the index) and stops the pool's actors."""
+def down(pool: str = "default", namespace: str | None = None, timeout_s: float = 30.0,
+         secret: str | None = None) -> int:
+    """Drains every shard (their entries leave the index) and stops the pool's actors (with the
+    pool secret, ``secret`` or this process's, as in ``up``)."""
+    credential = Authority(secret).pool_credential() if secret is not None else default_credential()
     n = 0
     try:
         controller = ray.get_actor(CONTROLLER, namespace=namespace)
@@ -64,7 +74,7 @@ def down(pool: str = "default", namespace: str | None = None, timeout_s: float =
     for sid in shards:
         try:
             h = ray.get_actor(shard_name(pool, sid), namespace=namespace)
-            ray.get(h.drain.remote(), timeout=timeout_s)
+            ray.get(h.drain.remote(credential), timeout=timeout_s)
             ray.kill(h)
             n += 1
         except Exception as e:  # noqa: BLE001 - a dead shard has nothing to drain

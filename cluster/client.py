@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
+from kvpool.auth import claimed_tenant, scope_tag, scoped
 from kvpool.buffers import as_byte_array
 from kvpool.cluster.controller import CONTROLLER
 from kvpool.cluster.messages import Get, Got, Put, WireMismatch, Write, check_version
@@ -32,7 +33,7 @@ from kvpool.cluster.shard import shard_name
 from kvpool.cluster.transport import TRANSPORTS, SharedMemoryTransport
 from kvpool.errors import BadRequest, KvPoolError, Unavailable
 from kvpool.index import PrefixHit, open_index
-from kvpool.keys import ChunkKey
+from kvpool.keys import ChunkKey, is_shared
 from kvpool.slab import Slab
 
 log = logging.getLogger("kvpool.client")
@@ -41,19 +42,41 @@ _RAY_FAIL = (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.e
 
 
 def _raise_own_429(e: Exception) -> None:
-    """A tenant's own 429 (spent quota) and a client and shard of different wire versions reach
-    the caller, on every write path; every other failure of a write is a future miss."""
-    if isinstance(e, WireMismatch) or (isinstance(e, KvPoolError) and e.status == 429):
-        raise e
+    """A tenant's own 429 (spent quota), a refused credential (401, 403) and a client and shard of
+    different wire versions reach the caller, on every write path; every other failure of a write
+    is a future miss."""
+    cause = _cause(e)
+    if isinstance(cause, WireMismatch) or (isinstance(cause, KvPoolError) and cause.status == 429):
+        raise cause
+    _raise_refused(e)
+
+
+def _cause(e: Exception) -> Exception:
+    return getattr(e, "cause", e) if isinstance(e, ray.exceptions.RayTaskError) else e
+
+
+def _raise_refused(e: Exception) -> None:
+    """A credential the shard refused (401, 403) reaches the caller on every path, reads included:
+    it is the caller's error to fix, not a miss."""
+    cause = _cause(e)
+    if isinstance(cause, KvPoolError) and cause.status in (401, 403):
+        raise cause
+
+
+_raise_own_4xx = _raise_refused
 
 
 @dataclass
 class ClusterRequest:
     """A request in flight across shards: the request id each shard gave its leases."""
 
-    tenant: str
+    credential: str
     shard_requests: dict[str, int]
     hit_chunks: int
+
+    @property
+    def tenant(self) -> str:
+        return claimed_tenant(self.credential)
 
 
 class PoolClient:
@@ -110,6 +133,7 @@ class PoolClient:
                 slabs[sid] = self._slabs.get(sid) or Slab.attach(info["slab"], info["page_bytes"], info["dram_pages"])
         with self._lock:
             self.ring, self.shards, self._handles, self._slabs = ring, state["shards"], handles, slabs
+            self.secured = bool(state.get("secured"))
 
     def _follow(self) -> None:
         while not self._stop.is_set():
@@ -134,28 +158,38 @@ class PoolClient:
             self._follower.join(timeout=20)
 
     # ---------------------------------------------------------------- lookups
-    def lookup(self, keys: Sequence[ChunkKey]) -> PrefixHit:
-        return self.index.lookup(keys)
+    @staticmethod
+    def addresses(credential: str, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Where the index lists a caller's chunks of ``keys``: its own scope (the tenant its
+        credential names), or the shared one for shared keys (kvpool.auth: scopes). The shards
+        compute the same from the verified credential, so a liar's addresses lead nowhere."""
+        return scoped(keys, scope_tag(None if is_shared(keys) else claimed_tenant(credential)))
+
+    def lookup(self, credential: str, keys: Sequence[ChunkKey]) -> PrefixHit:
+        """The leading run of ``keys`` the index lists in the caller's scope (one round trip)."""
+        return self.index.lookup(self.addresses(credential, keys))
 
     # ---------------------------------------------------------------- requests in flight
-    def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None,
+    def begin(self, credential: str, keys: Sequence[ChunkKey], priority: str | None = None,
               hit: PrefixHit | None = None) -> "ClusterRequest":
         """Leases, on every shard that holds some, the leading run of a request's cached chunks
         until ``end``: eviction passes them over while the engine loads them. Best effort: a shard
         that does not answer in time just leaves its chunks unleased (a later miss, a recompute)."""
-        hit = hit if hit is not None else self.index.lookup(keys)
+        hit = hit if hit is not None else self.lookup(credential, keys)
+        shared = is_shared(keys)
         by_shard: dict[str, list[bytes]] = {}
         for i in range(hit.count):
             by_shard.setdefault(hit.shards[i], []).append(bytes(keys[i]))
-        refs = [(sid, self._handles[sid].begin.remote(ks, tenant, priority))
+        refs = [(sid, self._handles[sid].begin.remote(ks, credential, priority, shared))
                 for sid, ks in by_shard.items() if sid in self._handles]
         ids = {}
         for sid, ref in refs:
             try:
                 ids[sid] = ray.get(ref, timeout=self.timeout_s)  # bad input (unknown tenant) raises
-            except _RAY_FAIL:
+            except _RAY_FAIL as e:
+                _raise_refused(e)
                 self.counts["begin_failed"] += 1
-        return ClusterRequest(tenant, ids, hit.count)
+        return ClusterRequest(credential, ids, hit.count)
 
     def end(self, request: "ClusterRequest | None") -> None:
         """Ends the request on its shards (fire and forget: leases also expire on their own)."""
@@ -164,27 +198,30 @@ class PoolClient:
         for sid, rid in request.shard_requests.items():
             h = self._handles.get(sid)
             if h is not None:
-                h.end.remote(rid)
+                h.end.remote(rid, request.credential)
         request.shard_requests = {}
 
-    def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
-        """Pins the leading run of chunks on the shards that hold them (warm-up); how many were
-        pinned (each shard's policy caps its pinned zone)."""
-        hit = self.index.lookup(keys)
+    def pin(self, credential: str, keys: Sequence[ChunkKey]) -> int:
+        """Pins the leading run of chunks on the shards that hold them (warm-up, an operator's);
+        how many were pinned (each shard's policy caps its pinned zone)."""
+        hit = self.lookup(credential, keys)
+        shared = is_shared(keys)
         by_shard: dict[str, list[bytes]] = {}
         for i in range(hit.count):
             by_shard.setdefault(hit.shards[i], []).append(bytes(keys[i]))
-        refs = [self._handles[sid].pin.remote(ks, tenant) for sid, ks in by_shard.items() if sid in self._handles]
+        refs = [self._handles[sid].pin.remote(ks, credential, shared)
+                for sid, ks in by_shard.items() if sid in self._handles]
         pinned = 0
         for ref in refs:
             try:
                 pinned += ray.get(ref, timeout=self.timeout_s)
-            except _RAY_FAIL:
+            except _RAY_FAIL as e:
+                _raise_own_4xx(e)
                 self.counts["pin_failed"] += 1
         return pinned
 
     # ---------------------------------------------------------------- writes
-    def put(self, tenant: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
+    def put(self, credential: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
             first_position: int = 0, request: "ClusterRequest | None" = None) -> int:
         """Stores each chunk on its owner (and ``replicas - 1`` more shards); how many copies were
         stored. Failures are logged and counted, not raised (a chunk not stored is a future miss),
@@ -204,7 +241,7 @@ class PoolClient:
             if handle is None:  # the ring moved on while we placed the batch: a future miss
                 self.counts["put_failed"] += 1
                 continue
-            write = Write([bytes(keys[i]) for i in idx], tenant, shared, first_position + idx[0],
+            write = Write([bytes(keys[i]) for i in idx], credential, shared, first_position + idx[0],
                           self._request_on(sid, request))
             transport = self._transport_to(sid)
             pending.append((sid, transport, transport.send(handle, Put(write, [arrays[i] for i in idx]))))
@@ -235,14 +272,14 @@ class PoolClient:
         rid = request.shard_requests.get(sid)
         if rid is None:
             try:
-                rid = request.shard_requests[sid] = ray.get(self._handles[sid].begin.remote([], request.tenant),
+                rid = request.shard_requests[sid] = ray.get(self._handles[sid].begin.remote([], request.credential),
                                                             timeout=self.timeout_s)
             except _RAY_FAIL:
                 self.counts["begin_failed"] += 1
         return rid
 
     # ---------------------------------------------------------------- reads
-    def get(self, tenant: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None,
+    def get(self, credential: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None,
             outs: Sequence[object] | None = None) -> list[np.ndarray]:
         """The leading run of chunks, each verified, from wherever they are. Never raises on a
         shard's failure: the run just ends there. ``outs`` (one writable buffer per key) receive
@@ -251,11 +288,14 @@ class PoolClient:
         NOTE: the lease on this node's shard is asked for at the same time as the index lookup
         (for every key, misses allowed), so a same-node read costs one round trip, not two."""
         local = next((sid for sid in self._slabs if sid in self._handles), None)
+        shared = is_shared(keys)
         pending = []
         if local is not None:
             shm = self._transport_to(local)
-            pending.append((local, [], shm, shm.fetch(self._handles[local], Get([bytes(k) for k in keys], tenant), outs)))
-        hit = hit if hit is not None else self.index.lookup(keys)
+            pending.append((local, [], shm, shm.fetch(self._handles[local],
+                                                      Get([bytes(k) for k in keys], credential, shared), outs)))
+        where = self.addresses(credential, keys)
+        hit = hit if hit is not None else self.index.lookup(where)
         n = hit.count
         got: dict[int, np.ndarray] = {}
         by_shard: dict[str, list[int]] = {}
@@ -269,7 +309,7 @@ class PoolClient:
             if handle is None or sid == local:
                 continue  # gone from the ring (misses), or served from the lease above
             pending.append((sid, idx, self.transport,
-                            self.transport.fetch(handle, Get([bytes(keys[i]) for i in idx], tenant))))
+                            self.transport.fetch(handle, Get([bytes(keys[i]) for i in idx], credential, shared))))
         for sid, idx, transport, future in pending:
             try:
                 reply = self._got(transport.wait(future, self.timeout_s))
@@ -277,16 +317,17 @@ class PoolClient:
                 if idx:
                     self.counts["get_" + transport.name] += 1
             except (*_RAY_FAIL, WireMismatch) as e:
+                _raise_refused(e)
                 self.counts["get_failed"] += 1
                 log.warning("client: get from shard %s failed (%s): trying replicas", sid, type(e).__name__)
-                got.update(self._from_replicas(tenant, keys, idx, sid))
+                got.update(self._from_replicas(credential, keys, idx, sid))
                 continue
             for i, a in zip(idx, arrays):
                 got[i] = a
             if len(arrays) < len(idx):
                 if not reply.corrupt:  # the index listed a chunk the shard does not have
-                    self._invalidate(keys[idx[len(arrays)]], sid)
-                got.update(self._from_replicas(tenant, keys, idx[len(arrays):], sid))
+                    self._invalidate(where[idx[len(arrays)]], sid)
+                got.update(self._from_replicas(credential, keys, idx[len(arrays):], sid))
         out = []
         for i in range(n):
             if i not in got:
@@ -304,7 +345,8 @@ class PoolClient:
             raise
         return reply
 
-    def _from_replicas(self, tenant: str, keys: Sequence[ChunkKey], idx: list[int], failed: str) -> dict[int, np.ndarray]:
+    def _from_replicas(self, credential: str, keys: Sequence[ChunkKey], idx: list[int],
+                       failed: str) -> dict[int, np.ndarray]:
         """Reads positions ``idx`` (in order) from the other owners the ring gives their keys, when
         the shard the index named failed. Stops at the first position no replica serves."""
         if self.replicas < 2:
@@ -319,7 +361,8 @@ class PoolClient:
                 if sid == failed or h is None:
                     continue
                 try:
-                    (a,) = self._got(self.transport.wait(self.transport.fetch(h, Get([bytes(keys[i])], tenant)),
+                    get = Get([bytes(keys[i])], credential, is_shared(keys))
+                    (a,) = self._got(self.transport.wait(self.transport.fetch(h, get),
                                                          self.timeout_s)).arrays or [None]
                 except (*_RAY_FAIL, ValueError):  # WireMismatch is a ValueError: a miss here too
                     continue

@@ -15,6 +15,7 @@ import threading
 
 import ray
 
+from kvpool.auth import Authority
 from kvpool.cluster.ring import HashRing
 from kvpool.index import open_index
 
@@ -27,6 +28,7 @@ class Controller:
     def __init__(self, pool: str, index_url: str | None, interval_s: float = 1.0, vnodes: int = 128,
                  eps: float = 0.25) -> None:
         self.pool = pool
+        self.auth = Authority.from_env()  # the pool secret, from bootstrap.up or a mounted file
         self.index_url = index_url
         self.interval_s = interval_s
         self.ring = HashRing(vnodes, eps)
@@ -49,39 +51,51 @@ class Controller:
             else:
                 from kvpool.cluster.index_actor import ActorIndex
 
-                self._index = ActorIndex()
+                self._index = ActorIndex(credential=self.auth.pool_credential())
         return self._index
 
     # ---------------------------------------------------------------- membership
-    def register(self, shard_id: str, info: dict, weight: float = 1.0) -> int:
+    def register(self, shard_id: str, info: dict, weight: float = 1.0, credential: str = "") -> int:
+        """A shard joins the ring: only the pool's own processes (`kvpool up`) may add one."""
+        self.auth.require(credential, "registering a shard", "pool")
+        return self._register(shard_id, info, weight)
+
+    def _register(self, shard_id: str, info: dict, weight: float = 1.0) -> int:
         with self._changed:
             self.shards[shard_id] = info
             self.ring.add(shard_id, weight)
             self._changed.notify_all()
             return self.ring.version
 
-    def deregister(self, shard_id: str) -> int:
+    def deregister(self, shard_id: str, credential: str = "") -> int:
+        self.auth.require(credential, "taking a shard out of the ring")
+        return self._deregister(shard_id)
+
+    def _deregister(self, shard_id: str) -> int:
         with self._changed:
             if self.shards.pop(shard_id, None) is not None:
                 self.ring.remove(shard_id)
                 self._changed.notify_all()
             return self.ring.version
 
-    def drain(self, shard_id: str, pool: str | None = None, timeout_s: float = 30.0) -> int:
+    def drain(self, shard_id: str, pool: str | None = None, timeout_s: float = 30.0, credential: str = "") -> int:
         """Takes a shard out gracefully: out of the ring first (no new chunks go there), then its
-        index entries are removed and its slabs closed. Its chunks become misses, never errors."""
+        index entries are removed and its slabs closed. Its chunks become misses, never errors.
+        Operators only."""
         from kvpool.cluster.shard import shard_name
 
-        self.deregister(shard_id)
+        self.auth.require(credential, "draining a shard")
+        self._deregister(shard_id)
         h = ray.get_actor(shard_name(pool or self.pool, shard_id))
-        n = ray.get(h.drain.remote(), timeout=timeout_s)
+        n = ray.get(h.drain.remote(self.auth.pool_credential()), timeout=timeout_s)
         ray.kill(h)
         log.info("controller: drained shard %s (%d index entries)", shard_id, n)
         return n
 
     def state(self) -> dict:
         with self._changed:
-            return {"version": self.ring.version, "ring": self.ring.to_dict(), "shards": dict(self.shards)}
+            return {"version": self.ring.version, "ring": self.ring.to_dict(), "shards": dict(self.shards),
+                    "secured": self.auth.secured}
 
     def wait(self, version: int, timeout_s: float = 5.0) -> dict:
         """Long poll: returns as soon as the ring's version differs from ``version``."""
@@ -127,7 +141,7 @@ class Controller:
                 gone.append(s)
         for s in gone:
             log.warning("controller: shard %s is dead; removing it from the ring", s)
-            self.deregister(s)
+            self._deregister(s)
             self._missing.pop(s, None)
         self._adopt(alive)
         purged = idx.purge_dead()
@@ -151,4 +165,4 @@ class Controller:
                 log.warning("controller: cannot adopt shard %s yet (%s)", s, type(e).__name__)
                 continue
             log.info("controller: adopted shard %s from the index", s)
-            self.register(s, info)
+            self._register(s, info)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import ray
 
+from kvpool.auth import Authority, default_credential
 from kvpool.errors import KvPoolError, Unavailable
 from kvpool.index.base import Index, IndexEntry, PrefixHit, TenantInfo
 from kvpool.index.embedded import EmbeddedIndex
@@ -17,6 +18,11 @@ from kvpool.keys import ChunkKey
 from kvpool.tenants import UNLIMITED
 
 INDEX_ACTOR = "kvpool-index"
+# Who may call what: lookups are open (they answer for addresses only a credential's holder can
+# compute, kvpool.auth), what keeps the index true is the pool's own processes', and the rest
+# (quotas, listings, events) operators'.
+OPEN = frozenset({"lookup", "get", "invalidate", "shards"})
+POOL_ONLY = frozenset({"publish", "remove", "register_shard", "heartbeat", "purge_dead", "reconcile", "add_tenant"})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -25,22 +31,28 @@ class IndexActor:
 
     def __init__(self) -> None:
         self.index = EmbeddedIndex()
+        self.auth = Authority.from_env()
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, credential: str, method: str, *args, **kwargs):
         try:
+            if method not in OPEN:
+                self.auth.require(credential, f"the index's {method}", "pool" if method in POOL_ONLY else "operator")
             return "ok", getattr(self.index, method)(*args, **kwargs)
         except KvPoolError as e:  # travels back as a value so the caller re-raises the same type
             return "error", e
 
 
 class ActorIndex(Index):
-    def __init__(self, handle=None, timeout_s: float = 2.0, namespace: str | None = None) -> None:
+    def __init__(self, handle=None, timeout_s: float = 2.0, namespace: str | None = None,
+                 credential: str | None = None) -> None:
         self._h = handle if handle is not None else ray.get_actor(INDEX_ACTOR, namespace=namespace)
         self.timeout_s = timeout_s
+        self.credential = credential if credential is not None else default_credential()
 
     def _call(self, method: str, *args, **kwargs):
         try:
-            status, value = ray.get(self._h.call.remote(method, *args, **kwargs), timeout=self.timeout_s)
+            status, value = ray.get(self._h.call.remote(self.credential, method, *args, **kwargs),
+                                    timeout=self.timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             raise Unavailable(f"index actor did not answer {method} in {self.timeout_s}s ({type(e).__name__})") from None
         if status == "error":
@@ -95,3 +107,10 @@ class ActorIndex(Index):
     def events(self, after: str = "0-0", count: int = 1000):
         return self._call("events", after, count)
 
+
+    def invalidate(self, key: ChunkKey, shard: str) -> bool:
+        """A reader's report that ``shard`` lacks ``key`` (open: a reader holds no pool credential)."""
+        try:
+            return self._call("invalidate", key, shard)
+        except Unavailable:
+            return False

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvpool.errors import BadRequest
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: credentials instead of tenant ids; reads say which scope (shared)
 
 
 class WireMismatch(BadRequest):
@@ -31,10 +31,11 @@ def check_version(msg: object, side: str) -> None:
 class Write:
     """Chunks of one prompt a tenant writes to one shard: through shared memory (``Reserve``, then
     ``Commit``) or with the bytes (``Put``). ``first_position`` is the first chunk's index in its
-    prompt; ``request_id`` the shard's id of the request in flight that leases what is written."""
+    prompt; ``request_id`` the shard's id of the request in flight that leases what is written.
+    ``credential``: the writer's (kvpool.auth; a tenant id on an open pool)."""
 
     keys: list[bytes]
-    tenant: str
+    credential: str
     shared: bool = False
     first_position: int = 0
     request_id: int | None = None
@@ -72,6 +73,7 @@ class Commit:
     hold_id: int
     keys: list[bytes]
     checksums: list[int]
+    credential: str = ""
     version: int = WIRE_VERSION
 
 
@@ -84,10 +86,12 @@ class Put:
 
 @dataclass(frozen=True, slots=True)
 class Get:
-    """Chunks read from a shard on another node; the bytes come back in ``Got``."""
+    """Chunks read from a shard on another node; the bytes come back in ``Got``. ``shared``: the
+    keys are the shared namespace's (else the caller's own)."""
 
     keys: list[bytes]
-    tenant: str
+    credential: str
+    shared: bool = False
     version: int = WIRE_VERSION
 
 
@@ -105,8 +109,9 @@ class Got:
 @dataclass(frozen=True, slots=True)
 class LeaseReads:
     keys: list[bytes]
-    tenant: str
+    credential: str
     leading: bool = True
+    shared: bool = False
     version: int = WIRE_VERSION
 
 

@@ -10,15 +10,19 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kvpool.auth import claimed_tenant, is_credential, namespace_salt
 from kvpool.codec import ChunkCodec
-from kvpool.errors import UnknownTenant
+from kvpool.errors import BadRequest, Unauthorized, UnknownTenant
 from kvpool.keying import KeyedPool, KeyMaker
-from kvpool.keys import ChunkKey, as_keys
+from kvpool.keys import ChunkKey, as_keys, is_shared
 from kvpool.spec import KVSpec
 from kvpool.tenants import Tenant
 
 
 class ClusterPool(KeyedPool):
+    """Every ``tenant`` argument is the tenant's credential on a secured pool (kvpool.auth; the
+    shards verify it on every call), its id on an open one."""
+
     def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
         self.codec = ChunkCodec(spec)
         pages = [info.get("page_bytes", 0) for info in client.shards.values()]
@@ -27,24 +31,35 @@ class ClusterPool(KeyedPool):
                                               "(kvpool up --page-size) or use smaller chunks")
         self.spec = spec
         self.client = client
+        self.secured = bool(getattr(client, "secured", False))
         self._salts = {t.id: t.salt for t in tenants}
         self._keys = KeyMaker(spec, self._salt)
 
-    def _salt(self, tenant: str) -> bytes:
-        if tenant not in self._salts:
-            raise UnknownTenant(tenant)
-        return self._salts[tenant]
+    def _salt(self, credential: str) -> bytes:
+        self._check_tenant(credential)
+        salt = self._salts[claimed_tenant(credential)]
+        return namespace_salt(credential) + b"/" + salt if is_credential(credential) else salt
 
-    def _check_tenant(self, tenant: str) -> None:
-        self._salt(tenant)  # bad input fails before anything is read or written, as in LocalPool
+    def _check_tenant(self, credential: str) -> None:
+        """Bad input fails before anything is read or written, as in LocalPool (the shards verify
+        the credential itself: this process has no secret)."""
+        if not isinstance(credential, str):
+            raise BadRequest(f"a tenant is named by its credential (a string), got {type(credential).__name__}")
+        if self.secured and not is_credential(credential):
+            raise Unauthorized(f"this pool is secured: pass the tenant's credential, not {credential[:64]!r} "
+                               "(the operator issues it: kvpool auth issue TENANT)")
+        if claimed_tenant(credential) not in self._salts:
+            raise UnknownTenant(claimed_tenant(credential))
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of chunks the index lists (one round trip)."""
-        return self.client.lookup(keys).count * self.spec.chunk_tokens
+        self._check_tenant(tenant)
+        return self.client.lookup(tenant, as_keys(keys)).count * self.spec.chunk_tokens
 
     def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None):
         """A request starts: the leading run of its cached chunks is leased on their shards."""
-        return self.client.begin(tenant, keys, priority)
+        self._check_tenant(tenant)
+        return self.client.begin(tenant, as_keys(keys), priority)
 
     def end(self, request) -> None:
         self.client.end(request)
@@ -55,8 +70,9 @@ class ClusterPool(KeyedPool):
         self.client.controller.report.remote(name, figures)
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
-        """Pins the leading run of cached chunks (warm-up), within each shard's pinned cap."""
-        return self.client.pin(tenant, keys)
+        """Pins the leading run of cached chunks (warm-up, an operator's), within each shard's pinned cap."""
+        self._check_tenant(tenant)
+        return self.client.pin(tenant, as_keys(keys))
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         """The leading run of chunks that are stored and verify; a payload of another size than
@@ -81,6 +97,8 @@ class ClusterPool(KeyedPool):
         Every chunk is checked before anything is written."""
         self._check_tenant(tenant)
         keys = as_keys(keys)
+        if not isinstance(shared, bool) or is_shared(keys) != shared:
+            raise BadRequest("shared=True goes with keys derived with keys(..., shared=True), and only with them")
         payloads = self.codec.encode_run(keys, chunks, start)
         return self.client.put(tenant, keys[start : start + len(chunks)], payloads, shared=shared,
                                first_position=start, request=request)

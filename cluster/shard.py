@@ -17,6 +17,7 @@ import time
 
 import ray
 
+from kvpool.auth import Authority, Principal, scope_tag, scoped
 from kvpool.cluster.messages import (
     Commit,
     Get,
@@ -64,6 +65,8 @@ class ShardActor:
         self.pool = pool
         self.started = time.monotonic()
         self._stall_s = 0.0
+        # The pool secret comes with the actor's environment (bootstrap.up) or a mounted file.
+        self.auth = Authority.from_env()
         cfg = dict(store)
         cfg.setdefault("dram_dir", SHM_DIR if os.path.isdir(SHM_DIR) else None)
         cfg["name"] = f"{pool}-{shard_id}"
@@ -75,12 +78,13 @@ class ShardActor:
         else:
             from kvpool.cluster.index_actor import ActorIndex
 
-            self.index = ActorIndex()
+            self.index = ActorIndex(credential=self.auth.pool_credential())
         self.ttl_s = ttl_s
         self.node_id = ray.get_runtime_context().get_node_id()
         self.tenant_config = tenants
         self.request_ttl_s = request_ttl_s
         self._requests: dict[int, tuple[object, float]] = {}  # id -> (ActiveRequest, deadline)
+        self._reserved: dict[int, list[ChunkKey]] = {}  # reservation id -> the addresses it placed
         self._join()
         from kvpool.cluster.metrics import RayExporter
 
@@ -116,6 +120,8 @@ class ShardActor:
                     r = self.reconcile()
                     log.warning("shard %s: rejoined the index, republished %s", self.shard_id, r)
                 self.store.expire_holds()
+                for hid in [h for h in self._reserved if self.store.hold_owner(h) is None]:
+                    self._reserved.pop(hid, None)  # expired uncommitted
                 self._expire_requests()
                 self._forget_gone()
                 self.store.stats()  # refreshes the gauges
@@ -154,42 +160,78 @@ class ShardActor:
         return {"published": r.published, "removed": r.removed}
 
     # ---------------------------------------------------------------- same node (shared memory)
+    # ---------------------------------------------------------------- who and where
+    def _who(self, credential: str) -> Principal:
+        """The verified caller (401 without a credential of this pool's secret; 404 for a tenant
+        this shard does not serve)."""
+        p = self.auth.verify(credential)
+        self.store.tenants.index(p.tenant)
+        return p
+
+    def _where(self, p: Principal, raw, shared: bool) -> list[ChunkKey]:
+        """The store's addresses of a caller's keys: its own scope, or the shared one."""
+        return scoped(_keys(raw), scope_tag(None if shared else p.tenant))
+
+    def _writer(self, w) -> tuple[Principal, list[ChunkKey], ChunkKey | None]:
+        p = self._who(w.credential)
+        if not isinstance(w.shared, bool):
+            raise BadRequest(f"shared must be True or False, got {w.shared!r}")
+        if w.shared and not p.operator:
+            raise Forbidden(f"only an operator writes the shared namespace; {p.tenant!r} presented a {p.role} credential")
+        parent = None if w.parent is None else self._where(p, [w.parent], w.shared)[0]
+        return p, self._where(p, w.keys, w.shared), parent
+
+    def _own_hold(self, hold_id: int, credential: str) -> bool:
+        """Whether ``hold_id`` is the caller's (another tenant's hold is left alone, silently)."""
+        return self.store.hold_owner(hold_id) == self._who(credential).tenant
+
+    # ---------------------------------------------------------------- same node (shared memory)
     def reserve(self, msg: Reserve) -> Reserved:
         check_version(msg, "this shard")
         check_version(msg.write, "this shard")
         w = msg.write
         self._maybe_stall()
-        hid, places = self.store.reserve(_keys(w.keys), list(msg.sizes), w.tenant, shared=w.shared,
-                                         parent=None if w.parent is None else ChunkKey(bytes(w.parent)),
-                                         first_position=w.first_position, request=self._request(w.request_id, w.tenant))
-        return Reserved(hid, [Placement(bytes(p.key), p.offset, p.nbytes) for p in places])
+        p, where, parent = self._writer(w)
+        raw = dict(zip(where, (bytes(k) for k in w.keys)))
+        hid, places = self.store.reserve(where, list(msg.sizes), p.tenant, shared=w.shared, parent=parent,
+                                         first_position=w.first_position, request=self._request(w.request_id, p.tenant))
+        self._reserved[hid] = [pl.key for pl in places]  # what its commit publishes
+        return Reserved(hid, [Placement(raw[pl.key], pl.offset, pl.nbytes) for pl in places])
 
     def commit(self, msg: Commit) -> int:
         check_version(msg, "this shard")
+        if not self._own_hold(msg.hold_id, msg.credential):
+            raise BadRequest(f"no reservation {msg.hold_id} of this caller: it was committed, aborted or expired")
         n = self.store.commit(msg.hold_id, msg.checksums)
-        self._publish(_keys(msg.keys)[:n])
+        self._publish(self._reserved.pop(msg.hold_id, [])[:n])
         return n
 
-    def abort(self, hold_id: int) -> None:
-        self.store.abort(hold_id)
+    def abort(self, hold_id: int, credential: str = "") -> None:
+        if self._own_hold(hold_id, credential):
+            self.store.abort(hold_id)
+            self._reserved.pop(hold_id, None)
 
     def lease_reads(self, msg: LeaseReads) -> Leased:
         check_version(msg, "this shard")
         self._maybe_stall()
         t0 = time.perf_counter()
-        hid, places = self.store.lease_reads(_keys(msg.keys), msg.tenant, leading=msg.leading)
+        p = self._who(msg.credential)
+        hid, places = self.store.lease_reads(self._where(p, msg.keys, msg.shared), p.tenant, leading=msg.leading)
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "shm")
-        return Leased(hid, [None if p is None else Placement(bytes(p.key), p.offset, p.nbytes, p.checksum)
-                            for p in places])
+        return Leased(hid, [None if pl is None else Placement(bytes(k), pl.offset, pl.nbytes, pl.checksum)
+                            for k, pl in zip(msg.keys, places)])
 
-    def release(self, hold_id: int, corrupt=()) -> None:
-        self.store.release(hold_id, _keys(corrupt))
+    def release(self, hold_id: int, corrupt=(), credential: str = "", shared: bool = False) -> None:
+        if self._own_hold(hold_id, credential):
+            p = self._who(credential)
+            self.store.release(hold_id, self._where(p, corrupt, shared))
 
     # ---------------------------------------------------------------- requests in flight
-    def begin(self, keys, tenant: str, priority: str | None = None) -> int:
+    def begin(self, keys, credential: str, priority: str | None = None, shared: bool = False) -> int:
         """Leases the leading run of ``keys`` held here until ``end`` (or ``request_ttl_s``, so a
         client that died does not pin chunks forever); the request id."""
-        req = self.store.begin(tenant, _keys(keys), priority)
+        p = self._who(credential)
+        req = self.store.begin(p.tenant, self._where(p, keys, shared), priority)
         self._requests[req.id] = (req, time.monotonic() + self.request_ttl_s)
         return req.id
 
@@ -200,8 +242,12 @@ class ShardActor:
         entry = self._requests.get(request_id) if request_id is not None else None
         return None if entry is None or entry[0].cancelled or entry[0].tenant != tenant else entry[0]
 
-    def end(self, request_id: int) -> bool:
-        """Ends a request; False when it was unknown (expired, or the shard restarted)."""
+    def end(self, request_id: int, credential: str | None = None) -> bool:
+        """Ends a request; False when it was unknown (expired, or the shard restarted) or another
+        tenant's."""
+        entry = self._requests.get(request_id)
+        if entry is not None and credential is not None and entry[0].tenant != self._who(credential).tenant:
+            return False
         entry = self._requests.pop(request_id, None)
         if entry is not None:
             self.store.end(entry[0])
@@ -224,10 +270,9 @@ class ShardActor:
         check_version(msg.write, "this shard")
         w = msg.write
         self._maybe_stall()
-        keys = _keys(w.keys)
-        stored = self.store.put_many(keys, msg.payloads, w.tenant, shared=w.shared,
-                                     parent=None if w.parent is None else ChunkKey(bytes(w.parent)),
-                                     first_position=w.first_position, request=self._request(w.request_id, w.tenant))
+        p, keys, parent = self._writer(w)
+        stored = self.store.put_many(keys, msg.payloads, p.tenant, shared=w.shared, parent=parent,
+                                     first_position=w.first_position, request=self._request(w.request_id, p.tenant))
         self._publish([k for k, s in zip(keys, stored) if s])
         return sum(stored)
 
@@ -236,21 +281,26 @@ class ShardActor:
         check_version(msg, "this shard")
         self._maybe_stall()
         t0 = time.perf_counter()
+        p = self._who(msg.credential)
         out = []
-        for got in self.store.get_many(_keys(msg.keys), msg.tenant):
+        for got in self.store.get_many(self._where(p, msg.keys, msg.shared), p.tenant):
             if got is None:
                 break
             out.append(got)
         self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "ray")
         return Got(out)
 
-    def pin(self, keys, tenant: str) -> int:
-        """Pins chunks held here (warm-up), up to the policy's pinned cap; how many."""
-        return self.store.pin(_keys(keys), tenant)
+    def pin(self, keys, credential: str, shared: bool = False) -> int:
+        """Pins chunks held here (warm-up, an operator's), up to the policy's pinned cap; how many."""
+        p = self.auth.require(credential, "pinning (warm-up)")
+        return self.store.pin(self._where(p, keys, shared), p.tenant)
 
-
-    def remove(self, keys, tenant: str) -> int:
-        n = self.store.remove_many(_keys(keys), tenant)
+    def remove(self, keys, credential: str, shared: bool = False) -> int:
+        """Removes the caller's own chunks of ``keys`` (the shared ones: an operator)."""
+        p = self._who(credential)
+        if shared:
+            self.auth.require(credential, "removing shared chunks")
+        n = self.store.remove_many(self._where(p, keys, shared), p.tenant)
         self._forget_gone()
         return n
 
@@ -266,9 +316,11 @@ class ShardActor:
         st["active_requests"] = len(self.store.active_requests())
         return st
 
-    def drain(self) -> int:
+    def drain(self, credential: str = "") -> int:
         """Leaves gracefully: ends the requests and read holds still open (their chunks become
-        misses for those clients), forgets its entries in the index and closes its slabs."""
+        misses for those clients), forgets its entries in the index and closes its slabs. The
+        pool's own processes and operators only."""
+        self.auth.require(credential, "draining a shard")
         self._stop.set()
         for rid in list(self._requests):
             self.end(rid)
@@ -285,29 +337,31 @@ class ShardActor:
     # NOTE: drills stall the data path and list or locate every tenant's chunks, so a shard
     # answers them only when it was started with KVPOOL_DRILLS=1 (tests, staging): in production
     # any process that can reach the actor could otherwise slow the pool or map its contents.
-    def _drill(self, what: str) -> None:
+    def _drill(self, what: str, credential: str) -> None:
+        self.auth.require(credential, what)
         if os.environ.get(DRILLS_ENV) != "1":
             raise Forbidden(f"{what} is a drill and drills are off on shard {self.shard_id}: start the pool with "
                             f"{DRILLS_ENV}=1 (tests and staging only)")
 
-    def inject(self, stall_s: float = 0.0) -> None:
+    def inject(self, stall_s: float = 0.0, credential: str = "") -> None:
         """Fault injection for drills and tests: every data-path call answers ``stall_s`` late
         (0 clears it). Membership and stats calls are not slowed."""
-        self._drill("inject")
+        self._drill("inject", credential)
         self._stall_s = float(stall_s)
 
     def _maybe_stall(self) -> None:
         if self._stall_s:
             time.sleep(self._stall_s)
 
-    def held(self) -> list[bytes]:
+    def held(self, credential: str = "") -> list[bytes]:
         """Keys of the chunks this shard holds (to check that the index converged on them)."""
-        self._drill("held")
+        self._drill("held", credential)
         return [bytes(e.key) for e in self.store.index_entries(self.shard_id)]
 
-    def locate(self, key) -> tuple[str, int, int] | None:
-        """(tier, byte offset in its slab, bytes) of a chunk, for drills that corrupt a payload."""
-        self._drill("locate")
+    def locate(self, key, credential: str = "") -> tuple[str, int, int] | None:
+        """(tier, byte offset in its slab, bytes) of a chunk (its address in the store, as the
+        index lists it), for drills that corrupt a payload."""
+        self._drill("locate", credential)
         key = ChunkKey(bytes(key))
         where, entries = self.store.locate(key), self.store.index_entries(self.shard_id, [key])
         if where is None or not entries:

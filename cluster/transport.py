@@ -56,7 +56,7 @@ class SharedMemoryTransport:
         return _Write(shard, put, shard.reserve.remote(Reserve(put.write, sizes)))
 
     def fetch(self, shard, get: Get, outs: Sequence[object] | None = None) -> "_Read":
-        return _Read(shard, get, shard.lease_reads.remote(LeaseReads(get.keys, get.tenant, False)), outs)
+        return _Read(shard, get, shard.lease_reads.remote(LeaseReads(get.keys, get.credential, False, get.shared)), outs)
 
     def wait(self, future, timeout_s: float):
         if isinstance(future, _Write):
@@ -71,7 +71,8 @@ class SharedMemoryTransport:
         for p in reserved.places:
             sums.append(copy_with_checksum(self.buf[p.offset : p.offset + p.nbytes], by_key[p.key]))
             committed.append(p.key)
-        return ray.get(w.shard.commit.remote(Commit(reserved.hold_id, committed, sums)), timeout=timeout_s)
+        return ray.get(w.shard.commit.remote(Commit(reserved.hold_id, committed, sums, w.put.write.credential)),
+                       timeout=timeout_s)
 
     def _read(self, r: "_Read", timeout_s: float) -> Got:
         leased = ray.get(r.lease, timeout=timeout_s)
@@ -88,7 +89,8 @@ class SharedMemoryTransport:
                 bad.append(r.get.keys[i])
                 break
             out.append(dst)
-        r.shard.release.remote(leased.hold_id, bad)  # fire and forget: the lease also expires on its own
+        # fire and forget: the lease also expires on its own
+        r.shard.release.remote(leased.hold_id, bad, r.get.credential, r.get.shared)
         return Got(out, corrupt=bool(bad))
 
 

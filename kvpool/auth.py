@@ -86,6 +86,19 @@ def parse(credential: str) -> tuple[str, str, bytes, bytes]:
     return head[1], tail[0], ns, mac
 
 
+def claimed_tenant(credential: str) -> str:
+    """The tenant a credential names, unverified (a client has no secret to check it with; the
+    shards do). A bare name on an open pool is its own."""
+    return parse(credential)[1] if is_credential(credential) else credential
+
+
+def default_credential(env: dict | None = None) -> str:
+    """What the pool's tools present when none is given: ``$KVPOOL_CREDENTIAL``, else the pool's
+    own credential when this process holds the secret (operators, the pool's processes)."""
+    env = os.environ if env is None else env
+    return env.get(CREDENTIAL_ENV) or Authority.from_env(env).pool_credential()
+
+
 def namespace_salt(credential: str) -> bytes:
     """The key salt a credential's holder derives its keys from (no secret needed: it is in the
     credential, and only there)."""
@@ -193,6 +206,8 @@ class Authority:
         """The caller, who must be an operator (or, with ``role="pool"``, one of the pool's own
         processes), else 403."""
         p = self.verify(credential)
+        if self._secret is None:
+            return p  # an open pool trusts its callers
         if role == "pool" and p.role != "pool" or role == "operator" and not p.operator:
             raise Forbidden(f"{what} needs a{'n' if role == 'operator' else ''} {role} credential; "
                             f"{p.tenant!r} presented a {p.role} one")

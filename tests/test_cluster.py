@@ -67,7 +67,7 @@ class RemoteClient:
 def test_chunks_spread_over_every_shard_within_the_bounded_load(client):
     keys = make_keys(300, seed=1)
     assert client.put("a", keys, [truth(i) for i in range(300)]) == 300
-    hit = client.lookup(keys)
+    hit = client.lookup("a", keys)
     assert hit.count == 300
     per = {s: hit.shards.count(s) for s in set(hit.shards)}
     assert len(per) == 3
@@ -101,7 +101,7 @@ def test_a_request_in_flight_keeps_its_chunks_on_every_shard_until_it_ends(clien
     assert client.put("a", keys, [truth(i) for i in range(30)]) == 30
     assert client.put("a", others, [truth(i) for i in range(30)]) == 30
     req = client.begin("a", keys)
-    assert req.hit_chunks == 30 and set(req.shard_requests) == set(client.lookup(keys).shards)
+    assert req.hit_chunks == 30 and set(req.shard_requests) == set(client.lookup("a", keys).shards)
     assert len(req.shard_requests) >= 2  # the leases span shards
     flood = make_keys(3 * 256 + 100, seed=13)  # more than every shard's DRAM together
     for i in range(0, len(flood), 64):  # in batches, like engines (a batch never evicts itself)
@@ -157,7 +157,7 @@ def test_draining_a_shard_turns_its_chunks_into_misses_and_takes_it_out_of_the_r
     c, nodes = cluster
     keys = make_keys(60, seed=9)
     client.put("a", keys, [truth(i) for i in range(60)])
-    hit = client.lookup(keys)
+    hit = client.lookup("a", keys)
     victim = shard_id_of(nodes[-1].node_id)  # the node added above
     assert victim in hit.shards  # 60 chunks over 4 shards: some land there
     first = hit.shards.index(victim)
@@ -167,7 +167,7 @@ def test_draining_a_shard_turns_its_chunks_into_misses_and_takes_it_out_of_the_r
     n = ray.get(controller.drain.remote(victim), timeout=60)
     assert n >= 1
     client.end(req)
-    assert client.lookup(keys).count == first
+    assert client.lookup("a", keys).count == first
     got = client.get("a", keys)
     assert len(got) == first and all(np.array_equal(g, truth(i)) for i, g in enumerate(got))
     wait_for(lambda: victim not in client.ring.weights, 10, what=f"the drained shard {victim} to leave the ring")
@@ -178,7 +178,7 @@ def test_replicas_serve_what_a_dead_shard_held(cluster, client):
     rc = PoolClient(timeout_s=TIMEOUT, replicas=2, refresh=False)
     keys = make_keys(40, seed=10)
     assert rc.put("a", keys, [truth(i) for i in range(40)]) == 80  # two copies of each
-    hit = rc.lookup(keys)
+    hit = rc.lookup("a", keys)
     local = shard_id_of(rc.node_id)
     # The index names whichever copy was published first (the local one, when there is one):
     # take the remote shard it names most.
@@ -195,8 +195,8 @@ def test_replicas_serve_what_a_dead_shard_held(cluster, client):
     wait_for(lambda: victim not in client.ring.weights, 15, interval_s=0.2,
              what=f"the dead shard {victim} to leave the ring")
     # Its index entries are purged; the replicas' periodic reconcile publishes their copies again.
-    wait_for(lambda: rc.lookup(keys).count >= 40, 20, interval_s=0.5, what="a lookup to find all 40 chunks again")
-    hit = rc.lookup(keys)
+    wait_for(lambda: rc.lookup("a", keys).count >= 40, 20, interval_s=0.5, what="a lookup to find all 40 chunks again")
+    hit = rc.lookup("a", keys)
     assert hit.count == 40 and victim not in hit.shards
     rc.close()
 
@@ -207,7 +207,7 @@ def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(c
     assert client.put("a", keys, [truth(i) for i in range(120)]) == 120
     victim_node = next(n for n in nodes if shard_id_of(n.node_id) in client.ring.weights)  # a live worker
     victim = shard_id_of(victim_node.node_id)
-    hit = client.lookup(keys)
+    hit = client.lookup("a", keys)
     assert victim in hit.shards
     first_lost = hit.shards.index(victim)
     wrong, slow, reads = [], [], []  # reads: (when it started, chunks it returned)
@@ -233,7 +233,7 @@ def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(c
         # purges its entries, and a read started after that has come back.
         wait_for(lambda: victim not in ray.get(controller.state.remote())["shards"], 25, interval_s=0.2,
                  what=f"the controller to drop the dead shard {victim}")
-        wait_for(lambda: victim not in client.lookup(keys).shards, 15, interval_s=0.2,
+        wait_for(lambda: victim not in client.lookup("a", keys).shards, 15, interval_s=0.2,
                  what=f"the index to purge the entries of {victim}")
         settled = time.monotonic()
         wait_for(lambda: reads[-1][0] > settled, 30, what="a read started after the pool settled")
@@ -244,4 +244,4 @@ def test_a_node_removed_during_traffic_means_misses_never_wrong_bytes_or_hangs(c
     assert wrong == [] and slow == []
     assert reads[-1][1] == first_lost  # the run now ends at the first chunk of the dead shard
     assert victim not in ray.get(controller.state.remote())["shards"]
-    assert client.lookup(keys).count == first_lost  # its index entries were purged
+    assert client.lookup("a", keys).count == first_lost  # its index entries were purged

@@ -157,7 +157,7 @@ def put_all(client, keys):
 def test_a_stalled_shard_turns_into_misses_within_the_timeout(client):
     keys = make_keys(60, seed=1)
     put_all(client, keys)
-    hit = client.lookup(keys)
+    hit = client.lookup("a", keys)
     local = shard_id_of(client.node_id)
     victim = next(s for s in hit.shards if s != local)  # a shard reached over Ray
     first = hit.shards.index(victim)
@@ -178,18 +178,18 @@ def test_a_stalled_shard_turns_into_misses_within_the_timeout(client):
 def test_a_corrupted_payload_is_a_miss_never_wrong_bytes(client):
     keys = make_keys(20, seed=2)
     put_all(client, keys)
-    hit = client.lookup(keys)
+    hit = client.lookup("a", keys)
     local = shard_id_of(client.node_id)
     mine = [i for i, s in enumerate(hit.shards) if s == local]
     assert mine, "no chunk on this node's shard"
     i = mine[0]
-    tier, offset, nbytes = ray.get(shard(local).locate.remote(bytes(keys[i])), timeout=10)
+    tier, offset, nbytes = ray.get(shard(local).locate.remote(bytes(client.addresses("a", keys)[i])), timeout=10)
     assert tier == "dram"
     client._slabs[local].buf[offset + nbytes // 2] ^= 0xFF  # a flipped byte in the shared slab
     got = client.get("a", keys)
     assert len(got) == i and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
     # The shard dropped it and the index forgets it: the next lookup stops there too.
-    wait_for(lambda: client.lookup(keys).count == i, 10, interval_s=0.2, ignore=SETTLING,
+    wait_for(lambda: client.lookup("a", keys).count == i, 10, interval_s=0.2, ignore=SETTLING,
              what=f"the index to forget the corrupted chunk (a lookup of {i} chunks)")
     assert client.put("a", [keys[i]], [truth(i)], first_position=i) == 1  # recomputed and saved again
     got = client.get("a", keys)
@@ -266,7 +266,7 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
     c, nodes = cluster
     keys = make_keys(80, seed=7)
     put_all(client, keys)
-    hit = client.lookup(keys)
+    hit = client.lookup("a", keys)
     victim_node = next(n for n in nodes if shard_id_of(n.node_id) in hit.shards)
     victim = shard_id_of(victim_node.node_id)
     first = hit.shards.index(victim)
@@ -278,7 +278,7 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
         purged = wait_for(lambda: not client.index.shard_keys(victim), 30, interval_s=0.2, ignore=SETTLING,
                           what=f"the index to purge every entry of {victim}")  # not just the run's
     assert tr.wrong == 0 and tr.max_s <= TIMEOUT + SLACK, (tr.wrong, tr.max_s)
-    assert client.lookup(keys).count == first
+    assert client.lookup("a", keys).count == first
     # Recompute and save: the victim's chunks go to their new owners (chunks the survivors have
     # evicted meanwhile, under the writers' traffic, are stored again too).
     lost = hit.shards.count(victim)

@@ -11,6 +11,7 @@ from conftest import wait_for
 
 from kvpool import KVSpec, Tenant, TenantRegistry
 from kvpool.errors import KvPoolError, LayoutMismatch, UnknownTenant
+from kvpool.keys import ChunkKey
 from kvpool.pool import LocalPool
 from kvpool.protocol import Pool
 
@@ -157,23 +158,23 @@ def test_a_shard_and_a_client_of_other_wire_versions_refuse_each_other(cluster_p
     miss, as every failed read), and a client refuses a reply of another version."""
     import ray
 
-    from kvpool.cluster.messages import Get, Got, Put, Reserve, WireMismatch, Write, check_version
+    from kvpool.cluster.messages import WIRE_VERSION, Get, Got, Put, Reserve, WireMismatch, Write, check_version
     from kvpool.cluster.shard import shard_name
 
     client = cluster_pool.client
     shard = ray.get_actor(shard_name(client.pool, next(iter(client.shards))), namespace=client.namespace)
     key = bytes(cluster_pool.keys("a", prompt(1))[0])
     old = Write([key], "a", version=0)
-    with pytest.raises(WireMismatch, match="wire version 1 but got a Write of version 0"):
+    with pytest.raises(WireMismatch, match=f"wire version {WIRE_VERSION} but got a Write of version 0"):
         ray.get(shard.reserve.remote(Reserve(old, [SPEC.chunk_nbytes])), timeout=10)
-    with pytest.raises(WireMismatch, match="Put of version 2"):
-        ray.get(shard.put.remote(Put(Write([key], "a"), [np.zeros(SPEC.chunk_nbytes, np.uint8)], version=2)),
+    with pytest.raises(WireMismatch, match="Put of version 99"):
+        ray.get(shard.put.remote(Put(Write([key], "a"), [np.zeros(SPEC.chunk_nbytes, np.uint8)], version=99)),
                 timeout=10)
-    with pytest.raises(WireMismatch, match="Get of version 2"):
-        ray.get(shard.get.remote(Get([key], "a", version=2)), timeout=10)
-    with pytest.raises(WireMismatch, match="this client speaks kvpool wire version 1 but got a Got of version 3"):
-        check_version(Got([], version=3), "this client")
-    assert cluster_pool.lookup("a", [key]) == 0  # nothing was written by the refused calls
+    with pytest.raises(WireMismatch, match="Get of version 99"):
+        ray.get(shard.get.remote(Get([key], "a", version=99)), timeout=10)
+    with pytest.raises(WireMismatch, match=f"this client speaks kvpool wire version {WIRE_VERSION} but got a Got of version 99"):
+        check_version(Got([], version=99), "this client")
+    assert cluster_pool.lookup("a", [ChunkKey(key)]) == 0  # nothing was written by the refused calls
 
 
 def test_a_production_shard_answers_no_drill(cluster_pool):

@@ -135,6 +135,12 @@ class HoldsMixin:
             self._end_hold(hold_id)
             return len(done)
 
+    def hold_owner(self, hold_id: int) -> str | None:
+        """The tenant whose reservation or read lease ``hold_id`` is (None: no such hold)."""
+        with self._lock:
+            hold = self._holds.get(hold_id)
+            return None if hold is None else self.tenants.by_index(hold.t_idx).id
+
     def abort(self, hold_id: int) -> None:
         with self._lock:
             self._end_hold(hold_id)
