@@ -228,4 +228,4 @@ def scoped(keys: Sequence[bytes], tag: bytes) -> list[ChunkKey]:
     """The store's addresses of ``keys`` in scope ``tag``."""
     digest = xxhash.xxh3_128_digest
     make = bytes.__new__  # NOTE: skips ChunkKey's length check; a 128-bit digest is 16 bytes
-    return [make(ChunkKey, digest(tag + bytes(k))) for k in keys]
+    return [make(ChunkKey, digest(tag + k)) for k in keys]

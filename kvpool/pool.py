@@ -232,8 +232,9 @@ class LocalPool(KeyedPool):
         return self.store.stats()
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
-        """Pins resident chunks (warm-up), up to the policy's pinned cap; how many."""
+        """Pins resident chunks (warm-up, an operator's), up to the policy's pinned cap; how many."""
         p = self._who(tenant)
+        self.auth.require(tenant, "pinning (warm-up)")
         return self.store.pin(self._where(p, as_keys(keys)), p.tenant)
 
     def lease(self, tenant: str, keys: Sequence[ChunkKey]) -> Lease:

@@ -146,11 +146,13 @@ def test_leaked_keys_read_nothing_of_another_tenant(pool):
     assert pool.lookup(ALICE, keys) == 3 * SPEC.chunk_tokens
 
 
-def test_a_tenant_cannot_pin_shared_or_evict_another_tenants_chunks_in_process():
+def test_a_tenant_cannot_pin_or_evict_another_tenants_chunks_in_process():
     pool = LocalPool.create(SPEC, TenantRegistry(list(TENANTS)), PAGES, authority=AUTH)
     keys = pool.keys(ALICE, prompt(3))
     assert pool.save(ALICE, keys, kv(3, seed=7)) == 3
-    assert pool.pin(MALLORY, keys) == 0  # her own scope holds none of them
+    with pytest.raises(Forbidden, match="operator"):
+        pool.pin(MALLORY, keys)  # pinning is warm-up, an operator's
+    assert pool.pin(OPERATOR, keys) == 0  # and the operator's pins in mallory's account reach none of alice's
     assert pool.store.remove_many(pool.addresses(MALLORY, keys), "mallory") == 0
     assert pool.lookup(ALICE, keys) == 3 * SPEC.chunk_tokens
 

@@ -101,6 +101,14 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
+def _bench_auth(args: argparse.Namespace) -> int:
+    from kvpool.bench import auth
+
+    result = auth.run(calls=args.calls, progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else auth.format_table(result))
+    return 0
+
+
 def _bench_weights(args: argparse.Namespace) -> int:
     from kvpool.connectors import bench_weights
 
@@ -167,6 +175,10 @@ def add_bench_parser(sub) -> None:
     bw.add_argument("--dir", default=None, help="where to write it (default /var/tmp)")
     bw.add_argument("--json", action="store_true")
     bw.set_defaults(func=_bench_weights)
+    ba = bsub.add_parser("auth", help="the credential check on lookup, get and put vs the same calls without it")
+    ba.add_argument("--calls", type=int, default=400, help="calls per figure (a tenth for 32 MiB chunks)")
+    ba.add_argument("--json", action="store_true")
+    ba.set_defaults(func=_bench_auth)
     bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")
     bl.add_argument("--context", type=int, default=8192)
     bl.add_argument("--rounds", type=int, default=3)
