@@ -112,9 +112,10 @@ def test_a_bare_name_or_a_forged_credential_is_refused_by_every_call(pool):
     forged = [other.issue("alice"), other.issue("alice", "operator"),
               ALICE.replace(".tenant.", ".operator."), ALICE[:-4] + "0000"]
     for who in ["alice", *forged]:
-        calls = [lambda: pool.load(who, keys), lambda: pool.begin(who, keys), lambda: pool.save(who, keys, kv(2, seed=4))]
+        calls = [lambda w=who: pool.load(w, keys), lambda w=who: pool.begin(w, keys),
+                 lambda w=who: pool.save(w, keys, kv(2, seed=4))]
         if who == "alice" or isinstance(pool, LocalPool):  # a client derives keys without the secret
-            calls.append(lambda: pool.keys(who, tokens))
+            calls.append(lambda w=who: pool.keys(w, tokens))
         for call in calls:
             with pytest.raises(Unauthorized):
                 call()
@@ -216,9 +217,9 @@ def test_listing_events_quotas_and_drills_need_an_operator(cluster_pool):
     assert cluster_pool.save(ALICE, keys, kv(2, seed=10)) == 2
     for who, err in (("", Unauthorized), ("alice", Unauthorized), (MALLORY, Forbidden)):
         idx = ActorIndex(credential=who, namespace=cluster_pool.client.namespace)
-        for call in (idx.events, idx.tenants, lambda: idx.set_quota("alice", 0),
-                     lambda: idx.shard_keys(next(iter(cluster_pool.client.shards))),
-                     lambda: idx.register_shard("fake", "", 60.0)):
+        for call in (idx.events, idx.tenants, lambda i=idx: i.set_quota("alice", 0),
+                     lambda i=idx: i.shard_keys(next(iter(cluster_pool.client.shards))),
+                     lambda i=idx: i.register_shard("fake", "", 60.0)):
             with pytest.raises(err):
                 call()
         for shard in shards(cluster_pool):
