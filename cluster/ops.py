@@ -17,46 +17,123 @@ from kvpool.cluster.shard import shard_name  # noqa: E402
 from kvpool.health import figures_from_stats  # noqa: E402
 
 NAMESPACE = "kvpool"
+RAY_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")  # Ray's default token file
+
+
+def ray_auth_mode(env: dict | None = None) -> str:
+    """``$RAY_AUTH_MODE``: "token", "disabled", or "" when unset."""
+    env = os.environ if env is None else env
+    mode = env.get("RAY_AUTH_MODE", "").strip().lower()
+    if mode not in ("", "token", "disabled"):
+        raise SystemExit(f"kvpool: RAY_AUTH_MODE={mode!r}: use token (Ray token authentication) or disabled")
+    return mode
+
+
+def ray_token_source(env: dict | None = None) -> str | None:
+    """Where Ray will read its token from, in Ray's own order: ``$RAY_AUTH_TOKEN``, the file at
+    ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``; None when there is none."""
+    env = os.environ if env is None else env
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return "$RAY_AUTH_TOKEN"
+    path = env.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        try:
+            with open(os.path.expanduser(path)) as f:
+                if f.read().strip():
+                    return path
+        except OSError as e:
+            raise SystemExit(f"kvpool: RAY_AUTH_TOKEN_PATH={path}: cannot read the Ray token ({e.strerror})") from None
+        raise SystemExit(f"kvpool: RAY_AUTH_TOKEN_PATH={path} is empty: put the cluster's Ray token in it")
+    default = os.path.expanduser(RAY_TOKEN_FILE)
+    return default if os.path.isfile(default) and os.path.getsize(default) > 0 else None
+
+
+def _need_token(where: str) -> None:
+    if ray_token_source() is None:
+        raise SystemExit(f"kvpool: RAY_AUTH_MODE=token but no Ray token to reach {where}: set RAY_AUTH_TOKEN, or "
+                         f"RAY_AUTH_TOKEN_PATH to a file holding it, or put it in {RAY_TOKEN_FILE} (the chart "
+                         "keeps it in the Secret <release>-kvpool-ray-token, key auth_token)")
+
+
+def _new_ray_token() -> str:
+    """A Ray token (256 bits, as `ray get-auth-token --generate` makes) in Ray's default file, 0600."""
+    import secrets
+
+    path = os.path.expanduser(RAY_TOKEN_FILE)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def _init(address: str, hint: bool = True) -> None:
+    """ray.init; a refused or missing Ray token is a message naming the fix (Ray itself retries for
+    ~20 s, then says only that it could not connect)."""
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+        if not hint:
+            raise
+        mode = os.environ.get("RAY_AUTH_MODE") or "unset"
+        raise SystemExit(f"kvpool: could not connect to the Ray cluster at {address} ({e}; RAY_AUTH_MODE is {mode}). "
+                         "A cluster with Ray token authentication needs RAY_AUTH_MODE=token and its own token "
+                         f"(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or {RAY_TOKEN_FILE})") from None
 
 
 def connect(address: str | None, start_local: bool) -> None:
     """Connects to ``address``, or to the Ray already running here, or (``start_local``) starts a
-    local head that outlives this command."""
+    local head that outlives this command.
+
+    Ray token authentication: with ``RAY_AUTH_MODE=token`` every connection presents the token
+    (Ray's own sources: ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``) and a
+    local head starts with it (a token is made in ``~/.ray/auth_token`` when there is none)."""
+    mode = ray_auth_mode()
     if address:
-        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        if mode == "token":
+            _need_token(address)
+        _init(address)
         return
-    # NOTE: a local pool's Ray binds to the loopback address only, and runs without Ray's token
-    # auth: otherwise a token left in ~/.ray by any earlier local Ray makes the head and its
-    # clients disagree (seen here: InvalidAuthToken). A cluster given by --ray-address keeps its own.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not mode:
+        # NOTE: unasked, a local pool's Ray binds to the loopback address only and runs without
+        # Ray's token auth: otherwise a token left in ~/.ray by any earlier local Ray makes the
+        # head and its clients disagree (seen here: InvalidAuthToken). A cluster given by
+        # --ray-address keeps its own setting.
+        os.environ["RAY_AUTH_MODE"] = "disabled"
     running = _local_ray_address()
     if running:
-        ray.init(address=running, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        if mode == "token":
+            _need_token(running)
+        _init(running)
+        return
+    if not start_local:
+        raise SystemExit("kvpool: no Ray cluster is running here; start one with `kvpool up` or pass --ray-address")
+    if mode == "token":
+        where = ray_token_source() or f"{_new_ray_token()} (new)"
+        print(f"kvpool: starting a local Ray head on 127.0.0.1 with Ray token authentication (token: {where})",
+              file=sys.stderr)
     else:
-        if not start_local:
-            raise SystemExit("kvpool: no Ray cluster is running here; start one with `kvpool up` or pass --ray-address")
-        import socket
+        print("kvpool: starting a local Ray head on 127.0.0.1 only, without Ray token authentication "
+              "(set RAY_AUTH_MODE=token to turn it on)", file=sys.stderr)
+    import socket
 
-        with socket.socket() as s:  # NOTE: Ray's default port is Redis's 6379, taken on these machines
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-        r = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                            "--disable-usage-stats", "--include-dashboard=false"],
-                           capture_output=True, text=True, timeout=120)
-        if r.returncode:
-            raise SystemExit(f"kvpool: could not start a local Ray head:\n{r.stderr[-2000:]}")
-        import time
+    with socket.socket() as s:  # NOTE: Ray's default port is Redis's 6379, taken on these machines
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    r = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--disable-usage-stats", "--include-dashboard=false"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        raise SystemExit(f"kvpool: could not start a local Ray head:\n{r.stderr[-2000:]}")
+    import time
 
-        for attempt in range(4):  # a loaded machine can take a while to bring the head's GCS up
-            try:
-                ray.init(address=f"127.0.0.1:{port}", namespace=NAMESPACE, logging_level="ERROR",
-                         log_to_driver=False)
-                return
-            except ConnectionError:
-                if attempt == 3:
-                    raise
-                time.sleep(2.0 * (attempt + 1))
+    for attempt in range(4):  # a loaded machine can take a while to bring the head's GCS up
+        try:
+            _init(f"127.0.0.1:{port}", hint=attempt == 3)
+            return
+        except ConnectionError:
+            time.sleep(2.0 * (attempt + 1))
 
 
 def _local_ray_address(path: str = "/tmp/ray/ray_current_cluster") -> str | None:
@@ -74,16 +151,34 @@ def _local_ray_address(path: str = "/tmp/ray/ray_current_cluster") -> str | None
         return None
 
 
-def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[dict]) -> dict:
+def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[dict],
+           secret_file: str | None = None) -> dict:
+    """Starts the pool, secured by the pool secret (kvpool.auth_cli.find_secret: --secret-file,
+    $KVPOOL_SECRET_FILE, $KVPOOL_SECRET, or ~/.kvpool/secret, made when missing)."""
+    from kvpool.auth_cli import find_secret
+
+    secret, where = find_secret(secret_file, create=True)  # before Ray: a bad secret file fails fast
     connect(address, start_local=True)
-    return up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE)
+    state = up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE, secret=secret)
+    return {**state, "secret_from": where}
 
 
-def cmd_down(address: str | None, stop_ray: bool) -> int:
+def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None) -> int:
+    """Drains and stops the pool, presenting the pool's credential (the secret found as for ``kvpool
+    up``; without one, ``$KVPOOL_CREDENTIAL``)."""
+    from kvpool.auth_cli import find_secret
+    from kvpool.errors import BadRequest
+
+    try:
+        secret = find_secret(secret_file)[0]
+    except BadRequest:
+        if secret_file:
+            raise
+        secret = None
     n = 0
     try:
         connect(address, start_local=False)
-        n = down(namespace=NAMESPACE)
+        n = down(namespace=NAMESPACE, secret=secret)
         ray.shutdown()
     finally:
         if stop_ray:  # even when the pool could not be reached: leave no Ray behind

@@ -15,6 +15,8 @@ from kvpool.codec import ChunkCodec
 from kvpool.errors import BadRequest, Unauthorized, UnknownTenant
 from kvpool.keying import KeyedPool, KeyMaker
 from kvpool.keys import ChunkKey, as_keys, is_shared
+from kvpool.pool import OwnedChunk
+from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
 from kvpool.tenants import Tenant
 
@@ -33,6 +35,11 @@ class ClusterPool(KeyedPool):
         self.client = client
         self.secured = bool(getattr(client, "secured", False))
         self._salts = {t.id: t.salt for t in tenants}
+        self._tenants = {t.id: t for t in tenants}
+        self._sealers: dict[str, Sealer] = {}
+        if pages and any(t.encrypt for t in tenants) and min(pages) < spec.chunk_nbytes + SEAL_OVERHEAD:
+            raise BadRequest(f"a tenant seals its payloads: start the pool with a page size >= "
+                             f"{spec.chunk_nbytes + SEAL_OVERHEAD} (the chunk and {SEAL_OVERHEAD} B of seal)")
         self._keys = KeyMaker(spec, self._salt)
 
     def _salt(self, credential: str) -> bytes:
@@ -78,13 +85,24 @@ class ClusterPool(KeyedPool):
         """The leading run of chunks that are stored and verify; a payload of another size than
         this spec's chunk ends the run (a miss, as in LocalPool)."""
         self._check_tenant(tenant)
+        keys = as_keys(keys)
+        sealer = self._sealer(tenant, keys)
+        where = self.client.addresses(tenant, keys) if sealer is not None else None
         out = []
-        for data in self.client.get(tenant, as_keys(keys)):
-            kv = self.codec.decode(data)
+        for i, data in enumerate(self.client.get(tenant, keys)):
+            if sealer is not None:
+                data = sealer.open(where[i], data)
+            kv = None if data is None else self.codec.decode(data)
             if kv is None:
                 break
             out.append(kv)
         return out
+
+    def _sealer(self, credential: str, keys) -> Sealer | None:
+        """The caller's sealer when its payloads are sealed at rest (kvpool.seal), else None."""
+        if not needs_seal(self._tenants.get(claimed_tenant(credential)), is_shared(keys)):
+            return None
+        return sealer_for(credential, is_credential(credential), self._sealers)
 
     def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator["OwnedChunk"]:
         """:meth:`load` as views, the surface LocalPool gives (here each one owns its bytes, which
@@ -100,6 +118,10 @@ class ClusterPool(KeyedPool):
         if not isinstance(shared, bool) or is_shared(keys) != shared:
             raise BadRequest("shared=True goes with keys derived with keys(..., shared=True), and only with them")
         payloads = self.codec.encode_run(keys, chunks, start)
+        sealer = self._sealer(tenant, keys)
+        if sealer is not None:
+            where = self.client.addresses(tenant, keys)
+            payloads = [sealer.seal(k, pl) for k, pl in zip(where[start:], payloads)]
         return self.client.put(tenant, keys[start : start + len(chunks)], payloads, shared=shared,
                                first_position=start, request=request)
 
@@ -126,24 +148,6 @@ class ClusterPool(KeyedPool):
                 for label, v in st["metrics"][m].items():
                     total["metrics"][m][label] = total["metrics"][m].get(label, 0) + v
         return total
-
-
-class OwnedChunk:
-    """A loaded chunk with :class:`kvpool.pool.KVView`'s surface (``kv``, ``release``, ``with``)."""
-
-    __slots__ = ("kv",)
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = kv
-
-    def release(self) -> None:
-        """Nothing to give back: the chunk owns its bytes."""
-
-    def __enter__(self) -> "OwnedChunk":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 @contextlib.contextmanager

@@ -106,6 +106,13 @@ def namespace_salt(credential: str) -> bytes:
     return b"kvp1/ns/" + ns
 
 
+def payload_key(credential: str) -> bytes:
+    """The 32-byte key a tenant seals its payloads with (kvpool.seal): from the credential's
+    namespace, so the tenant and its operator have it and the pool's processes never do."""
+    _, tenant, ns, _ = parse(credential)
+    return _hmac(ns, "kvpool/payload-key", tenant)
+
+
 def request_secret(credential: str) -> str:
     """What an engine's API user sends with a request (vLLM's ``cache_salt``, SGLang's extra info)
     to be served as the credential's tenant. It derives from the credential's namespace, so it

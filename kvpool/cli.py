@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from kvpool.auth_cli import add_auth_parser
 from kvpool.bench.cli import add_bench_parser
 from kvpool.errors import BadRequest, KvPoolError
 from kvpool.policies import describe_policies
@@ -133,8 +134,9 @@ def _up(args: argparse.Namespace) -> int:
     if args.disk_dir:
         store |= {"disk_dir": args.disk_dir, "disk_pages": args.disk_pages}
     tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
-    state = ops.cmd_up(args.ray_address, args.redis, store, tenants)
+    state = ops.cmd_up(args.ray_address, args.redis, store, tenants, secret_file=args.secret_file)
     print(f"kvpool is up: {len(state['shards'])} shards, ring version {state['version']}")
+    print(f"  pool secret: {state['secret_from']} (issue credentials with `kvpool auth issue TENANT`)")
     for sid, info in sorted(state["shards"].items()):
         print(f"  {sid} on node {info['node_id'][:12]}  slab {info['slab']}")
     return 0
@@ -143,7 +145,7 @@ def _up(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from kvpool.cluster import ops
 
-    print(f"kvpool is down: {ops.cmd_down(args.ray_address, args.stop_ray)} shards drained")
+    print(f"kvpool is down: {ops.cmd_down(args.ray_address, args.stop_ray, args.secret_file)} shards drained")
     return 0
 
 
@@ -213,10 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"eviction policy of every shard (default: adaptive). {describe_policies()}")
     u.add_argument("--tenant", action="append", default=[],
                    help="a tenant to serve, id[:quota[:priority]] (repeat); a known tenant keeps its quota unless given")
+    u.add_argument("--secret-file", help="the pool secret (made here if missing; default: $KVPOOL_SECRET_FILE, "
+                   "$KVPOOL_SECRET, else ~/.kvpool/secret, made if missing)")
     u.set_defaults(func=_up)
     d2 = sub.add_parser("down", help="drain every shard and stop the pool")
     d2.add_argument("--ray-address")
     d2.add_argument("--stop-ray", action="store_true", help="also stop the local Ray")
+    d2.add_argument("--secret-file", help="the pool secret (default: as for `kvpool up`)")
     d2.set_defaults(func=_down)
     st = sub.add_parser("stats", help="per shard and tier: chunks, bytes, hit rate, evictions, tenants")
     st.add_argument("--ray-address")
@@ -240,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_tenants)
 
+    add_auth_parser(sub)
     add_bench_parser(sub)
     return p
 

@@ -16,6 +16,7 @@ from kvpool.codec import ChunkCodec, torch_dtype
 from kvpool.errors import BadRequest, Forbidden
 from kvpool.keying import KeyedPool, KeyMaker
 from kvpool.keys import ChunkKey, as_keys, is_shared
+from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
 from kvpool.tenants import TenantRegistry
@@ -64,12 +65,15 @@ class LocalPool(KeyedPool):
         self.store = store
         self.auth = authority if authority is not None else Authority(None)
         self._keys = KeyMaker(spec, self._salt)
+        self._sealers: dict[str, Sealer] = {}
 
     @classmethod
     def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, *,
                authority: Authority | None = None, **config) -> "LocalPool":
-        """A pool whose pages are exactly one chunk of ``spec``."""
-        return cls(spec, ChunkStore(StoreConfig(spec.chunk_nbytes, dram_chunks, **config), tenants), authority)
+        """A pool whose pages are exactly one chunk of ``spec`` (and the seal's bytes, when a tenant
+        encrypts its payloads)."""
+        page = spec.chunk_nbytes + (SEAL_OVERHEAD if any(t.encrypt for t in tenants) else 0)
+        return cls(spec, ChunkStore(StoreConfig(page, dram_chunks, **config), tenants), authority)
 
     @property
     def tenants(self) -> TenantRegistry:
@@ -91,6 +95,15 @@ class LocalPool(KeyedPool):
     def _where(self, p: Principal, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """The store's addresses of ``keys``: the caller's own scope, or the shared one for shared keys."""
         return scoped(keys, scope_tag(None if is_shared(keys) else p.tenant))
+
+    def _sealer(self, p: Principal, credential: str, keys: Sequence[ChunkKey]) -> Sealer | None:
+        """The caller's sealer when its payloads are sealed at rest (kvpool.seal), else None."""
+        if not needs_seal(self.tenants.get(p.tenant), is_shared(keys)):
+            return None
+        if self.store.page_bytes < self.codec.nbytes + SEAL_OVERHEAD:
+            raise BadRequest(f"tenant {p.tenant!r} seals its payloads: pages need {SEAL_OVERHEAD} B more than a "
+                             "chunk (create the pool with LocalPool.create, which sizes them)")
+        return sealer_for(credential, self.auth.secured, self._sealers)
 
     def addresses(self, tenant: str, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """Where the store keeps a tenant's chunks of ``keys`` (for tools and tests that look
@@ -131,6 +144,9 @@ class LocalPool(KeyedPool):
         check_shared_write(p, keys, shared)
         payloads = self.codec.encode_run(keys, chunks, start)
         where = self._where(p, keys)
+        sealer = self._sealer(p, tenant, keys)
+        if sealer is not None:
+            payloads = [sealer.seal(k, pl) for k, pl in zip(where[start:], payloads)]
         n = len(keys)
         access = self.store.new_access(n, n, start)
         parent = where[start - 1] if start else None
@@ -143,15 +159,22 @@ class LocalPool(KeyedPool):
         """The leading run of chunks that are resident and verify; each shaped like the spec. The
         policy hears of them when the request ends (``save``)."""
         p = self._who(tenant)  # bad input fails before any chunk is read or counted
-        keys = self._where(p, as_keys(keys))
+        keys = as_keys(keys)
+        sealer = self._sealer(p, tenant, keys)
+        keys = self._where(p, keys)
         tenant = p.tenant
         out: list[torch.Tensor] = []
         m = self.store.metrics
         for key in keys:
             buf = self.codec.empty()
-            got = self.store.get_many([key], tenant, [buf], touch=False)[0]
-            if got is None or got.shape[0] != self.codec.nbytes:  # another size: not a chunk of this spec, a miss
-                break
+            if sealer is None:
+                got = self.store.get_many([key], tenant, [buf], touch=False)[0]
+                if got is None or got.shape[0] != self.codec.nbytes:  # another size: not a chunk of this spec
+                    break
+            else:
+                got = self.store.get_many([key], tenant, touch=False)[0]
+                if got is None or sealer.open(key, got, out=buf.view(-1).view(torch.uint8).numpy()) is None:
+                    break  # not this tenant's seal of this key (or another size): a miss
             out.append(buf)
         hit_tokens = len(out) * self.spec.chunk_tokens
         if hit_tokens:
@@ -178,7 +201,10 @@ class LocalPool(KeyedPool):
         ``load`` verifies its private copy instead, which costs one more pass over the bytes
         (measured on vLLM's load path: see connectors/vllm_worker.py)."""
         p = self._who(tenant)  # bad input fails here, before anything is read
-        return self._views(p.tenant, self._where(p, as_keys(keys)))
+        keys = as_keys(keys)
+        if self._sealer(p, tenant, keys) is not None:  # sealed bytes are opened into memory of their own
+            return iter([OwnedChunk(kv) for kv in self.load(tenant, keys)])
+        return self._views(p.tenant, self._where(p, keys))
 
     def _views(self, tenant: str, keys: list[ChunkKey]) -> Iterator[KVView]:
         m = self.store.metrics
@@ -241,6 +267,25 @@ class LocalPool(KeyedPool):
         """Pins a request's chunks while it is in flight."""
         p = self._who(tenant)
         return self.store.lease(self._where(p, as_keys(keys)), p.tenant)
+
+
+class OwnedChunk:
+    """A loaded chunk with :class:`KVView`'s surface (``kv``, ``release``, ``with``) that owns its
+    bytes (they came over the network, or were opened from a seal): releasing it frees nothing."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    def release(self) -> None:
+        """Nothing to give back: the chunk owns its bytes."""
+
+    def __enter__(self) -> "OwnedChunk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def check_shared_write(p: Principal, keys: Sequence[ChunkKey], shared: object) -> None:

@@ -40,6 +40,9 @@ class Tenant:
     # Zero the tenant's pages when they are freed (evicted, removed, demoted away): no residue of
     # its KV stays in memory for the page's next owner. Costs a memset per freed chunk.
     scrub: bool = False
+    # Seal the tenant's payloads (AES-256-GCM, kvpool.seal) with a key only its credential gives:
+    # the pool holds ciphertext only. Needs a secured pool; costs a pass of AES-GCM per save and load.
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not _TENANT_ID.fullmatch(self.id):
@@ -62,6 +65,8 @@ class Tenant:
                 raise BadRequest(f"tenant {self.id!r}: {name} must be a fraction of the pool in [0, 1], got {v!r}")
         if not isinstance(self.scrub, bool):
             raise BadRequest(f"tenant {self.id!r}: scrub must be true or false, got {self.scrub!r}")
+        if not isinstance(self.encrypt, bool):
+            raise BadRequest(f"tenant {self.id!r}: encrypt must be true or false, got {self.encrypt!r}")
         if self.salt == SHARED_SALT:
             raise BadRequest(f"tenant {self.id!r}: the shared salt is reserved; pick another salt")
         if not self.salt:

@@ -18,13 +18,14 @@ from kvpool.auth import Authority, new_secret, scope_tag, scoped
 from kvpool.errors import BadRequest, Forbidden, KvPoolError, Unauthorized
 from kvpool.keys import Namespace, chunk_keys
 from kvpool.pool import LocalPool
+from kvpool.seal import SEAL_OVERHEAD
 
 SPEC = KVSpec("attacks/model", 2, 2, 8, dtype="float32", block_size=8, chunk_tokens=8)
-TENANTS = [Tenant("alice"), Tenant("mallory")]
+TENANTS = [Tenant("alice"), Tenant("mallory"), Tenant("carol", encrypt=True)]
 PAGES = 64
 SECRET = new_secret()
 AUTH = Authority(SECRET)
-ALICE, MALLORY = AUTH.issue("alice"), AUTH.issue("mallory")
+ALICE, MALLORY, CAROL = AUTH.issue("alice"), AUTH.issue("mallory"), AUTH.issue("carol")
 OPERATOR = AUTH.issue("mallory", "operator")  # an operator acting in mallory's account
 _prompts = iter(range(10**6))
 
@@ -47,7 +48,7 @@ def cluster_pool():
     from kvpool.cluster.pool import ClusterPool
 
     with local_cluster(2, namespace="kvpool-attacks"):
-        up(store={"page_bytes": SPEC.chunk_nbytes, "dram_pages": PAGES},
+        up(store={"page_bytes": SPEC.chunk_nbytes + SEAL_OVERHEAD, "dram_pages": PAGES},
            tenants=[{"id": t.id} for t in TENANTS], ttl_s=2.0, secret=SECRET)
         client = PoolClient(timeout_s=5.0)
         yield ClusterPool(SPEC, client, TENANTS)
@@ -263,3 +264,51 @@ def test_the_scopes_are_what_the_index_lists(cluster_pool):
     assert index.lookup(keys).count == 0
     assert index.lookup(scoped(keys, scope_tag("alice"))).count == 2
     assert cluster_pool.client.lookup(MALLORY, keys).count == 0
+
+
+# ---------------------------------------------------------------------- 7: the slab, sealed
+def slab_bytes(pool) -> bytes:
+    """Everything an attacker on the node reads from the pool's memory: the in-process store's
+    slab, or every shard's shared-memory slab file in /dev/shm."""
+    if isinstance(pool, LocalPool):
+        slab = pool.store.slab("dram")
+        return b"".join(slab.page(i).tobytes() for i in range(slab.num_pages))
+    out = b""
+    for info in pool.client.shards.values():
+        with open(info["slab"], "rb") as f:
+            out += f.read()
+    return out
+
+
+def test_a_tenant_that_encrypts_leaves_no_plaintext_in_the_pool(pool):
+    """Carol seals her payloads (AES-GCM, a key from her credential): her chunks load back bit for
+    bit, and the slab an attacker reads holds none of their bytes. Alice does not encrypt: her
+    bytes are there in plain text (the control)."""
+    tokens = prompt(3)
+    mine, theirs = kv(3, seed=12), kv(3, seed=13)
+    assert pool.save(CAROL, pool.keys(CAROL, tokens), mine) == 3
+    assert pool.save(ALICE, pool.keys(ALICE, tokens), theirs) == 3
+    assert equal(pool.load(CAROL, pool.keys(CAROL, tokens)), mine)
+    assert equal([v.kv.clone() for v in pool.load_views(CAROL, pool.keys(CAROL, tokens))], mine)
+    memory = slab_bytes(pool)
+    probe = lambda t: t.reshape(-1)[:16].numpy().tobytes()  # 64 bytes of each chunk  # noqa: E731
+    assert sum(probe(c) in memory for c in mine) == 0
+    assert sum(probe(c) in memory for c in theirs) == 3
+
+
+def test_a_sealed_chunk_moved_to_another_key_or_read_by_another_tenant_is_a_miss():
+    pool = LocalPool.create(SPEC, TenantRegistry(list(TENANTS)), PAGES, authority=AUTH)
+    keys = pool.keys(CAROL, prompt(2))
+    assert pool.save(CAROL, keys, kv(2, seed=14)) == 2
+    where = pool.addresses(CAROL, keys)
+    sealed = pool.store.get_many(where[:1], "carol")[0].copy()
+    assert pool.store.remove_many(where[1:], "carol") == 1
+    assert pool.store.put(where[1], sealed, "carol", parent=where[0])  # chunk 0's seal under key 1
+    assert len(pool.load(CAROL, keys)) == 1  # it fails to open: a miss, never chunk 0's bytes
+    assert pool.load(MALLORY, keys) == []
+
+
+def test_encryption_needs_a_secured_pool():
+    pool = LocalPool.create(SPEC, TenantRegistry([Tenant("carol", encrypt=True)]), 4)
+    with pytest.raises(BadRequest, match="secured pool"):
+        pool.save("carol", pool.keys("carol", prompt(1)), kv(1, seed=15))

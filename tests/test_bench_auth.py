@@ -34,3 +34,6 @@ def test_bench_auth_reports_every_call_for_both_sizes_as_json():
         for o in ops.values():
             assert o["checked_us"] > 0 and o["unchecked_us"] > 0
     assert r["primitives"]["verify_cached_us"] < r["primitives"]["verify_first_us"]
+    for ops in r["sealed"].values():
+        assert set(ops) == {"put (1 new chunk)", "get (1 chunk)"}
+        assert all(o["sealed_us"] > 0 and o["plain_us"] > 0 for o in ops.values())

@@ -9,6 +9,9 @@ median over many calls, so a noisy neighbour slows both sides alike. In process 
 case: with no network round trip to hide behind, the check's share of a call is largest here.
 
 Targets (issue 15): under 2 % of a 32 MiB get, under 10 % of one 256 KiB get.
+
+Also the cost of sealing payloads at rest (``Tenant(encrypt=True)``, AES-256-GCM, opt-in): a
+tenant that seals beside one that does not, on one secured pool, alternating.
 """
 
 from __future__ import annotations
@@ -90,6 +93,31 @@ def bench_size(label: str, spec: KVSpec, calls: int, progress: Progress | None) 
     return out
 
 
+def bench_seal(label: str, spec: KVSpec, calls: int, progress: Progress | None) -> dict:
+    """get and put of one chunk by a tenant that seals beside one that does not (same pool)."""
+    auth = Authority(new_secret())
+    pool = LocalPool.create(spec, TenantRegistry([Tenant("plain"), Tenant("sealed", encrypt=True)]), 2 * calls + 8,
+                            authority=auth, policy="lru")
+    who = [auth.issue("sealed"), auth.issue("plain")]
+    kv = [torch.randn(spec.chunk_shape, generator=torch.Generator().manual_seed(1)).to(torch.float16)]
+    keys = [[pool.keys(w, [10**6 + i] * spec.chunk_tokens) for i in range(calls)] for w in who]
+    out = {}
+    for name, op in (("put (1 new chunk)", lambda s, i: pool.save(who[s], keys[s][i], kv)),
+                     ("get (1 chunk)", lambda s, i: pool.load(who[s], keys[s][i]))):
+        times: list[list[float]] = [[], []]
+        for i in range(calls):
+            for side in ((0, 1) if i % 2 else (1, 0)):
+                t0 = time.perf_counter()
+                op(side, i)
+                times[side].append(time.perf_counter() - t0)
+        sealed, plain = _median_us(times[0]), _median_us(times[1])
+        out[name] = {"sealed_us": round(sealed, 1), "plain_us": round(plain, 1), "ratio": round(sealed / plain, 2)}
+        if progress:
+            progress.advance(note=f"{label} sealed {name}")
+    pool.store.close()
+    return out
+
+
 def bench_primitives(reps: int = 20000) -> dict:
     """The check's parts alone: a credential verified the first time and then from the cache,
     and the scoped addresses of 16 keys."""
@@ -117,11 +145,12 @@ def bench_primitives(reps: int = 20000) -> dict:
 
 
 def run(calls: int = 200, progress: bool = True) -> dict:
-    result = {"primitives": bench_primitives(), "sizes": {}}
-    with Progress(len(SIZES) * 3, "bench auth", enabled=progress) as p:
+    result = {"primitives": bench_primitives(), "sizes": {}, "sealed": {}}
+    with Progress(len(SIZES) * 5, "bench auth", enabled=progress) as p:
         for label, spec in SIZES.items():
-            n = calls if spec.chunk_nbytes < (1 << 20) else max(20, calls // 10)
+            n = calls if spec.chunk_nbytes < (1 << 20) else max(20, calls // 4)
             result["sizes"][label] = bench_size(label, spec, n, p)
+            result["sealed"][label] = bench_seal(label, spec, n, p)
     return result
 
 
@@ -134,4 +163,9 @@ def format_table(r: dict) -> str:
         for name, o in ops.items():
             lines.append(f"{label:>8}  {name:<24} {o['checked_us']:>11.1f} {o['unchecked_us']:>13.1f} "
                          f"{o['overhead_pct']:>9.2f}%")
+    lines.append(f"sealed at rest (opt-in): {'chunk':>8}  {'call':<20} {'sealed us':>10} {'plain us':>9} {'ratio':>6}")
+    for label, ops in r["sealed"].items():
+        for name, o in ops.items():
+            lines.append(f"{'':24} {label:>8}  {name:<20} {o['sealed_us']:>10.1f} {o['plain_us']:>9.1f} "
+                         f"{o['ratio']:>5.2f}x")
     return "\n".join(lines)

@@ -176,7 +176,7 @@ def add_bench_parser(sub) -> None:
     bw.add_argument("--json", action="store_true")
     bw.set_defaults(func=_bench_weights)
     ba = bsub.add_parser("auth", help="the credential check on lookup, get and put vs the same calls without it")
-    ba.add_argument("--calls", type=int, default=400, help="calls per figure (a tenth for 32 MiB chunks)")
+    ba.add_argument("--calls", type=int, default=400, help="calls per figure (a quarter for 32 MiB chunks)")
     ba.add_argument("--json", action="store_true")
     ba.set_defaults(func=_bench_auth)
     bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")

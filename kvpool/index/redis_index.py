@@ -7,6 +7,9 @@
   request at most one timeout, not one per call.
 - Every multi-key step is one Lua script (kvpool.index.redis_lua): publish+charge and
   remove+refund are atomic, so racing writers never overrun a quota.
+- Redis ACL users per role (kvpool.index.redis_acl): a write the URL's user may not make is a 403
+  ``Forbidden`` naming the role it needs; a read it may not make is a miss. The read path (lookup,
+  get) is plain GET/MGET of chunk entries, so the read-only ``engine`` user serves it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kvpool.errors import BadRequest, QuotaExceeded, Unavailable, UnknownTenant
+from kvpool.errors import BadRequest, Forbidden, QuotaExceeded, Unavailable, UnknownTenant
 from kvpool.index import base as checks
 from kvpool.index.base import MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo
 from kvpool.index.redis_keys import Keys
@@ -41,6 +44,18 @@ def redact(url: str) -> str:
     userinfo, _, hostport = parts.netloc.rpartition("@")  # NOTE: not .port, which raises on a bad port
     netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _noperm(e: Exception) -> bool:
+    """A refusal by the Redis ACL: NOPERM from a command, or from a redis.call inside a script."""
+    text = str(e)  # NOTE: Redis 7.0 words a script's refusal without the NOPERM code
+    return isinstance(e, redis.exceptions.NoPermissionError) or any(
+        w in text for w in ("NOPERM", "no permissions", "can't access at least one of the keys"))
+
+
+# The role (kvpool.index.redis_acl) whose user may make each write; named in a 403.
+_ROLE_OF = {what: "shard" for what in ("publish", "remove", "register_shard", "heartbeat", "register a tenant",
+                                        "shards", "purge", "shard_keys")}
 
 
 class RedisIndex(Index):
@@ -82,6 +97,11 @@ class RedisIndex(Index):
         except _ERRORS as e:
             raise Unavailable(f"index at {self.url} did not answer ({what}): {type(e).__name__}; "
                               "the write was not applied, retry later") from None
+        except redis.exceptions.ResponseError as e:
+            if not _noperm(e):
+                raise
+            raise Forbidden(f"index at {self.url}: this URL's Redis user may not {what} (NOPERM): use the "
+                            f"{_ROLE_OF.get(what, 'operator')} user's URL (roles: kvpool.index.redis_acl)") from None
 
     def _read(self, fn, *args):
         """A read that never raises: (result, None) or (None, error text)."""
@@ -90,6 +110,10 @@ class RedisIndex(Index):
             return None, "index unavailable (backing off)"
         try:
             return fn(*args), None
+        except redis.exceptions.ResponseError as e:
+            if not _noperm(e):
+                raise
+            return None, "index refused the read: this URL's Redis user may not read chunk entries (NOPERM)"
         except _ERRORS as e:
             self.read_errors += 1
             self._down_until = now + self._backoff
@@ -103,13 +127,22 @@ class RedisIndex(Index):
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
+        """Creates the tenant if it is new (HSETNX: what a shard's user may do), then updates a
+        known tenant's quota and priority when they differ (HSET: only an operator's user may)."""
         checks.check_name("tenant", tenant)
         quota, priority = checks.check_quota(quota), checks.check_priority(priority)
+        key = self.keys.tenant(tenant)
         pipe = self._w.pipeline(transaction=True)
-        pipe.hsetnx(self.keys.tenant(tenant), "usage", 0)
-        pipe.hset(self.keys.tenant(tenant), mapping={"quota": quota, "priority": priority})
+        pipe.hsetnx(key, "quota", quota)
+        pipe.hsetnx(key, "priority", priority)
+        pipe.incrby(self.keys.usage(tenant), 0)
         pipe.sadd(self.keys.tenants, tenant)
-        self._write("add_tenant", pipe.execute)
+        new_quota, new_priority, *_ = self._write("register a tenant", pipe.execute)
+        if new_quota and new_priority:
+            return
+        q, p = self._write("tenant", self._w.hmget, key, "quota", "priority")
+        if (int(q or UNLIMITED), (p or b"normal").decode()) != (quota, priority):
+            self._write("set_quota", self._w.hset, key, mapping={"quota": quota, "priority": priority})
 
     def _require_tenant(self, tenant: str) -> None:
         if not self._write("tenant", self._w.exists, self.keys.tenant(tenant)):
@@ -131,10 +164,16 @@ class RedisIndex(Index):
         ids = sorted(t.decode() for t in self._write("tenants", self._w.smembers, self.keys.tenants))
         pipe = self._w.pipeline(transaction=False)
         for t in ids:
-            pipe.hmget(self.keys.tenant(t), "usage", "quota", "priority")
+            pipe.hmget(self.keys.tenant(t), "quota", "priority")
+            pipe.get(self.keys.usage(t))
         rows = self._write("tenants", pipe.execute)
         return [TenantInfo(t, int(u or 0), int(q or UNLIMITED), (p or b"normal").decode())
-                for t, (u, q, p) in zip(ids, rows)]
+                for t, (q, p), u in zip(ids, rows[0::2], rows[1::2])]
+
+    def usage(self, tenant: str) -> int:
+        checks.check_name("tenant", tenant)
+        self._require_tenant(tenant)
+        return int(self._write("usage", self._w.get, self.keys.usage(tenant)) or 0)
 
     # ---------------------------------------------------------------- chunks
     def publish(self, entries: Sequence[IndexEntry]) -> list[bool]:

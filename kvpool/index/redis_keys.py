@@ -7,12 +7,14 @@ so several pools can share one Redis.
 | ``{p}:s:<shard>`` | set | the chunk keys a shard holds (for purge and reconcile) |
 | ``{p}:shards`` | hash | shard id -> address |
 | ``{p}:hb:<shard>`` | string with TTL | the shard's heartbeat; gone = the shard is dead |
-| ``{p}:t:<tenant>`` | hash | ``usage``, ``quota`` (bytes), ``priority`` |
+| ``{p}:t:<tenant>`` | hash | ``quota`` (bytes), ``priority``: written by operators only |
+| ``{p}:u:<tenant>`` | string | the tenant's usage in bytes, charged and refunded by the Lua scripts |
 | ``{p}:tenants`` | set | tenant ids |
 | ``{p}:events`` | stream | ``kind`` stored/removed, ``key``, ``shard``, ``tenant`` |
 
 The Lua scripts build the same names from the prefix (they are written for one Redis server,
-not Redis Cluster: a publish touches many hash slots).
+not Redis Cluster: a publish touches many hash slots). Usage lives apart from the quota so that
+Redis ACLs (kvpool.index.redis_acl) can let shards charge usage without letting them set quotas.
 """
 
 from __future__ import annotations
@@ -37,3 +39,6 @@ class Keys:
 
     def tenant(self, tenant: str) -> str:
         return f"{self.prefix}:t:{tenant}"
+
+    def usage(self, tenant: str) -> str:
+        return f"{self.prefix}:u:{tenant}"

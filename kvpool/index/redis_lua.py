@@ -1,4 +1,7 @@
-"""The index's multi-key steps as Lua scripts, so each is atomic on the Redis server."""
+"""The index's multi-key steps as Lua scripts, so each is atomic on the Redis server.
+
+NOTE: a script runs with the caller's Redis ACL (every ``redis.call`` is checked): the commands and
+keys each script touches are the ``shard`` role's in kvpool.index.redis_acl, kept in step there."""
 
 # ARGV: prefix, events maxlen, then five per entry: chunk key, encoded value, tenant, nbytes, shard.
 # Returns {0, fresh...} or an error tuple: {-1, tenant, usage, quota, requested} over quota,
@@ -23,10 +26,10 @@ for i = 0, n - 1 do
   end
 end
 for _, tenant in ipairs(order) do
-  local t = redis.call('HMGET', p .. ':t:' .. tenant, 'usage', 'quota')
-  local usage, quota = tonumber(t[1] or '0'), tonumber(t[2])
+  local q = redis.call('HGET', p .. ':t:' .. tenant, 'quota')
+  local usage, quota = tonumber(redis.call('GET', p .. ':u:' .. tenant) or '0'), tonumber(q)
   if usage + charge[tenant] > quota then
-    return {-1, tenant, tostring(usage), tostring(t[2]), tostring(charge[tenant])}
+    return {-1, tenant, tostring(usage), tostring(q), tostring(charge[tenant])}
   end
 end
 for i = 0, n - 1 do
@@ -39,7 +42,7 @@ for i = 0, n - 1 do
   end
 end
 for _, tenant in ipairs(order) do
-  redis.call('HINCRBY', p .. ':t:' .. tenant, 'usage', charge[tenant])
+  redis.call('INCRBY', p .. ':u:' .. tenant, charge[tenant])
 end
 local out = {0}
 for i = 1, n do out[i + 1] = fresh[i] end
@@ -79,7 +82,7 @@ for i = 4, #ARGV do
       if tenant == nil then
         shard, tenant = shard or '', ''
       elseif redis.call('EXISTS', p .. ':t:' .. tenant) == 1 then
-        redis.call('HINCRBY', p .. ':t:' .. tenant, 'usage', -nb)
+        redis.call('INCRBY', p .. ':u:' .. tenant, -nb)
       end
       redis.call('XADD', p .. ':events', 'MAXLEN', '~', maxlen, '*',
                  'kind', 'removed', 'key', k, 'shard', shard, 'tenant', tenant)
