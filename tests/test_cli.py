@@ -89,3 +89,98 @@ def test_json_commands_keep_engine_logs_off_stdout():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout == '{"ok": 1}\n'
     assert "python log" in out.stderr and "native log" in out.stderr
+
+
+# ----------------------------------------------------------------------------- kvpool auth
+
+
+def _env(tmp_path, **extra):
+    """No pool secret from the outside: HOME is the test's, KVPOOL_SECRET(_FILE) unset unless given."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KVPOOL_SECRET", "KVPOOL_SECRET_FILE")}
+    return {**env, "HOME": str(tmp_path), **extra}
+
+
+def kvpool_env(env, *args):
+    return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_auth_init_writes_a_private_secret_and_never_overwrites_it_unasked(tmp_path):
+    env = _env(tmp_path)
+    r = kvpool_env(env, "auth", "init")
+    default = tmp_path / ".kvpool" / "secret"
+    assert r.returncode == 0 and str(default) in r.stdout, r.stderr
+    first = default.read_text()
+    assert len(first.strip()) == 64 and first.strip() not in r.stdout + r.stderr  # never printed
+    assert default.stat().st_mode & 0o777 == 0o600 and default.parent.stat().st_mode & 0o777 == 0o700
+    r = kvpool_env(env, "auth", "init")
+    assert r.returncode == 2 and "already holds a pool secret" in r.stderr and "--force" in r.stderr
+    assert default.read_text() == first
+    assert kvpool_env(env, "auth", "init", "--force").returncode == 0 and default.read_text() != first
+    own = tmp_path / "elsewhere" / "s"
+    r = kvpool_env(env, "auth", "init", "--secret-file", str(own))
+    assert r.returncode == 0 and own.stat().st_mode & 0o777 == 0o600 and f"--secret-file {own}" in r.stdout
+    r = kvpool_env(_env(tmp_path, KVPOOL_SECRET_FILE=str(tmp_path / "mounted")), "auth", "init")
+    assert r.returncode == 0 and (tmp_path / "mounted").exists()  # $KVPOOL_SECRET_FILE is where it goes
+
+
+def test_auth_issue_prints_a_credential_the_pool_verifies(tmp_path):
+    from kvpool import auth
+
+    f = tmp_path / "s"
+    assert kvpool_env(_env(tmp_path), "auth", "init", "--secret-file", str(f)).returncode == 0
+    authority = auth.Authority(f.read_text())
+    for env, flags in ((_env(tmp_path), ["--secret-file", str(f)]), (_env(tmp_path, KVPOOL_SECRET_FILE=str(f)), []),
+                       (_env(tmp_path, KVPOOL_SECRET=f.read_text().strip()), [])):
+        r = kvpool_env(env, "auth", "issue", "acme", *flags)
+        assert r.returncode == 0, r.stderr
+        cred = r.stdout.strip()
+        assert authority.verify(cred) == auth.Principal("acme", "tenant")
+    op = kvpool_env(_env(tmp_path), "auth", "issue", "ops", "--role", "operator", "--secret-file", str(f)).stdout.strip()
+    assert authority.verify(op) == auth.Principal("ops", "operator")
+    r = kvpool_env(_env(tmp_path), "auth", "issue", "acme", "--request-secret", "--secret-file", str(f))
+    assert r.stdout.strip() == auth.request_secret(cred) and r.stdout.startswith("kvr1.")
+    # ~/.kvpool/secret, where `kvpool auth init` and `kvpool up` write by default
+    (tmp_path / ".kvpool").mkdir()
+    (tmp_path / ".kvpool" / "secret").write_text(f.read_text())
+    assert kvpool_env(_env(tmp_path), "auth", "issue", "acme").stdout.strip() == cred
+
+
+def test_auth_errors_name_the_fix(tmp_path):
+    r = kvpool_env(_env(tmp_path), "auth", "issue", "acme")
+    assert r.returncode == 2 and "no pool secret" in r.stderr and "kvpool auth init" in r.stderr
+    r = kvpool_env(_env(tmp_path, KVPOOL_SECRET_FILE=str(tmp_path / "absent")), "auth", "issue", "acme")
+    assert r.returncode == 2 and "cannot read the pool secret" in r.stderr and str(tmp_path / "absent") in r.stderr
+    r = kvpool_env(_env(tmp_path, KVPOOL_SECRET="short"), "auth", "issue", "acme")
+    assert r.returncode == 2 and "at least 16 bytes" in r.stderr
+    r = kvpool_env(_env(tmp_path, KVPOOL_SECRET="x" * 32), "auth", "issue", "a b")
+    assert r.returncode == 2 and "not a valid name" in r.stderr
+    r = kvpool_env(_env(tmp_path, KVPOOL_SECRET="x" * 32), "auth", "issue", "a", "--role", "pool")
+    assert r.returncode == 2 and "invalid choice" in r.stderr  # the pool's own credential is not handed out
+    r = kvpool_env(_env(tmp_path), "auth", "init", "--secret-file", "/proc/no/such/secret")
+    assert r.returncode == 2 and "cannot write a pool secret" in r.stderr
+
+
+def test_ray_token_is_found_where_ray_looks(tmp_path, monkeypatch):
+    from kvpool.cluster import ops
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ops.ray_token_source({}) is None
+    assert ops.ray_token_source({"RAY_AUTH_TOKEN": "t"}) == "$RAY_AUTH_TOKEN"
+    f = tmp_path / "tok"
+    f.write_text("t\n")
+    assert ops.ray_token_source({"RAY_AUTH_TOKEN": " ", "RAY_AUTH_TOKEN_PATH": str(f)}) == str(f)
+    f.write_text("")
+    with pytest.raises(SystemExit, match="is empty"):  # Ray itself aborts on an empty token file
+        ops.ray_token_source({"RAY_AUTH_TOKEN_PATH": str(f)})
+    with pytest.raises(SystemExit, match="cannot read the Ray token"):
+        ops.ray_token_source({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "absent")})
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t")
+    assert ops.ray_token_source({}) == str(tmp_path / ".ray" / "auth_token")
+    assert [ops.ray_auth_mode(e) for e in ({}, {"RAY_AUTH_MODE": "TOKEN"}, {"RAY_AUTH_MODE": "disabled"})] == \
+        ["", "token", "disabled"]
+    with pytest.raises(SystemExit, match="use token"):
+        ops.ray_auth_mode({"RAY_AUTH_MODE": "tls"})

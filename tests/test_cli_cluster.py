@@ -1,10 +1,18 @@
 """`kvpool up`, `kvpool stats` and `kvpool down` as an operator runs them: a local Ray head that
-outlives each command."""
+outlives each command, and a head with Ray token authentication."""
 
 import json
 import os
+import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+
+import pytest
+from conftest import free_port, redis_reachable, wait_for
 
 MISSES = """
 import os, ray
@@ -12,25 +20,32 @@ from kvpool.cluster.ops import connect, NAMESPACE
 from kvpool.cluster.shard import shard_name
 from kvpool.cluster.messages import Get
 from kvpool.cluster.controller import CONTROLLER
+from kvpool.auth import Authority
 connect(None, start_local=False)
 state = ray.get(ray.get_actor(CONTROLLER, namespace=NAMESPACE).state.remote(), timeout=30)
+credential = Authority.from_env().issue("a")
 for sid in state["shards"]:
     shard = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
-    assert ray.get(shard.get.remote(Get([os.urandom(16) for _ in range(20)], "a")), timeout=30).arrays == []
+    assert ray.get(shard.get.remote(Get([os.urandom(16) for _ in range(20)], credential)), timeout=30).arrays == []
 """
 
 
-def kvpool(*args, timeout=180):
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+def kvpool(*args, timeout=180, env=None):
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})}
     return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
-def test_up_stats_warmup_down(tmp_path):
+def test_up_stats_warmup_down(tmp_path, monkeypatch):
+    secret = tmp_path / "pool-secret"
+    monkeypatch.setenv("KVPOOL_SECRET_FILE", str(secret))  # every command after `kvpool up` reads it
     try:
-        r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "16", "--tenant", "a", "--policy", "tiered")
+        r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "16", "--tenant", "a", "--policy", "tiered",
+                   "--secret-file", str(secret))
         assert r.returncode == 0, r.stderr[-2000:]
         assert "kvpool is up: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
+        assert f"pool secret: {secret} (new)" in r.stdout and secret.stat().st_mode & 0o777 == 0o600
+        assert "without Ray token authentication" in r.stderr  # a loopback-only local head says so
         r = kvpool("stats", "--json")
         assert r.returncode == 0, r.stderr[-2000:]
         st = json.loads(r.stdout)
@@ -70,3 +85,75 @@ def test_up_stats_warmup_down(tmp_path):
     assert r.returncode == 0 and "1 shards drained" in r.stdout
     r = kvpool("stats")
     assert r.returncode != 0 and "no Ray cluster is running here" in r.stderr
+
+
+@pytest.fixture
+def token_head(tmp_path):
+    """A Ray head of the test's own with Ray token authentication, on a free port and its own
+    temp dir (so `kvpool` never finds it as "the Ray running here"); torn down by its processes'
+    ids: every process it started runs in that temp dir."""
+    home = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # NOTE: short: Ray's socket paths live under it
+    token = tmp_path / "ray-token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_AUTH_TOKEN", None)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={home}/r"],
+                            cwd=home, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: redis_reachable(port=port), 60, interval_s=0.2, what=f"the Ray head on port {port}")
+        yield f"127.0.0.1:{port}", token
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in _processes_in(home):  # its raylet's workers run in their own sessions
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        head.wait(timeout=15)
+        time.sleep(0.5)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _processes_in(folder: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(folder):
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def test_up_stats_down_keep_ray_token_auth(token_head, tmp_path):
+    address, token = token_head
+    home = tmp_path / "home"  # no ~/.ray/auth_token: the token comes only from what the test gives
+    home.mkdir()
+    secret = tmp_path / "pool-secret"
+    env = {"HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_TOKEN": "",
+           "KVPOOL_SECRET_FILE": "", "KVPOOL_SECRET": ""}
+    r = kvpool("up", "--ray-address", address, "--page-size", "256KiB", "--dram-pages", "4", "--tenant", "a",
+               "--secret-file", str(secret), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "kvpool is up: 1 shards" in r.stdout and f"pool secret: {secret} (new)" in r.stdout
+    r = kvpool("stats", "--json", "--ray-address", address, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(json.loads(r.stdout)["shards"]) == 1
+    # Without the token: a message naming the fix, at once.
+    r = kvpool("stats", "--ray-address", address, env={**env, "RAY_AUTH_TOKEN_PATH": ""})
+    assert r.returncode == 1 and "RAY_AUTH_MODE=token but no Ray token" in r.stderr, r.stderr[-2000:]
+    # Another token: the cluster refuses it (Ray retries for ~20 s), and the message says why.
+    r = kvpool("stats", "--ray-address", address, env={**env, "RAY_AUTH_TOKEN": "not-the-clusters-token"})
+    assert r.returncode == 1 and "its own token" in r.stderr, r.stderr[-2000:]
+    r = kvpool("down", "--ray-address", address, "--secret-file", str(secret), env=env)
+    assert r.returncode == 0 and "1 shards drained" in r.stdout, r.stderr[-2000:]
