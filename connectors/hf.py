@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpool.auth import claimed_tenant
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds, text_config
 from kvpool.connectors.pools import check_config, open_pool, spec_for
@@ -262,7 +263,7 @@ class HFConnector:
             return loaded, self._cache_from_chunks(loaded, min(len(loaded) * c, usable))
         except Exception as e:  # noqa: BLE001 - the pool must never fail a request: recompute instead
             log.warning("transformers connector: load for tenant %s failed (%s: %s); recomputing the prefix",
-                        tenant, type(e).__name__, e)
+                        claimed_tenant(tenant), type(e).__name__, e)  # never the credential
             self.load_failed += 1
             return [], self._new_cache()
 
@@ -317,7 +318,7 @@ class HFConnector:
                 try:
                     saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared)
                 except KvPoolError as e:  # a full pool or a spent quota: a future miss, not a failed request
-                    log.warning("transformers connector: save for tenant %s refused (%s)", tenant, e)
+                    log.warning("transformers connector: save for tenant %s refused (%s)", claimed_tenant(tenant), e)
                     self.save_refused += 1
         finally:
             if request is not None:
