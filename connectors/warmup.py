@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from kvpool.auth import Authority
 from kvpool.errors import BadRequest
 from kvpool.progress import Progress
 
@@ -52,11 +53,12 @@ def warmup(conn, entries: list[dict], *, pin: bool = True, progress: bool = True
                 continue
             # Only whole chunks are kept: the tail past them is not computed (but one token).
             toks = e["tokens"][: whole * c + 1] if len(e["tokens"]) > whole * c else e["tokens"]
-            r = conn.prefill(toks, tenant=e["tenant"], shared=e["shared"])
+            who = e.get("credential", e["tenant"])  # on a secured pool, an operator's credential for the tenant
+            r = conn.prefill(toks, tenant=who, shared=e["shared"])
             stored += r.saved_chunks
             if pin:
-                keys = conn.pool.keys(e["tenant"], e["tokens"], shared=e["shared"])[:whole]
-                pinned += conn.pool.pin(e["tenant"], keys)
+                keys = conn.pool.keys(who, e["tokens"], shared=e["shared"])[:whole]
+                pinned += conn.pool.pin(who, keys)
             bar.advance(note=e["tenant"])
     return {"prefixes": len(entries), "skipped": skipped, "stored_chunks": stored, "pinned_chunks": pinned}
 
@@ -81,6 +83,11 @@ def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_to
     client = PoolClient(namespace=ops.NAMESPACE, index_url=redis, timeout_s=10.0, refresh=False)
     try:
         pool = ClusterPool(spec, client, [Tenant(t) for t in sorted({e["tenant"] for e in entries})])
+        if pool.secured:  # warm-up is an operator's: it acts in each tenant's account with the pool secret
+            from kvpool.auth_cli import find_secret
+
+            auth = Authority(find_secret()[0])  # a BadRequest naming where the secret goes when there is none
+            entries = [{**e, "credential": auth.issue(e["tenant"], "operator")} for e in entries]
         return warmup(HFConnector(m, pool), entries, pin=pin, progress=progress)
     finally:
         client.close()

@@ -96,6 +96,10 @@ def values_of(value_set: str) -> dict:
     return vals
 
 
+def fullname(value_set: str) -> str:
+    return values_of(value_set)["fullnameOverride"] or "rel-kvpool"
+
+
 def _merge(base: dict, over: dict) -> None:
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
@@ -141,6 +145,7 @@ def kubernetes_validate():
 
 
 CORE_KINDS = {"ConfigMap", "Secret", "Service", "StatefulSet", "Job", "CronJob"}
+POOL_SECRET_DIR = "/var/run/secrets/kvpool"
 CUSTOM_KINDS = {"RayCluster", "PodMonitor", "ServiceMonitor"}
 
 
@@ -222,9 +227,11 @@ def test_crd_validation_can_fail():
     rc = json.loads(json.dumps(one(render(), "RayCluster")))
     rc["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 1
     rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    rc["spec"]["authOptions"]["mode"] = "tokens"
     errors = crd_errors(rc)
     assert any("rayStartParams.num-gpus: 1 is not of type 'string'" in e for e in errors), errors
     assert any("'volumeMount' was unexpected" in e for e in errors), errors
+    assert any("authOptions.mode: 'tokens' is not one of ['disabled', 'token']" in e for e in errors), errors
 
 
 # ----------------------------------------------------------------------------- what the chart wires
@@ -261,6 +268,7 @@ def test_raycluster_has_gpu_workers_with_shm_and_metrics(value_set):
         assert shm["sizeLimit"] == f"{group['objectStoreMiB'] + slab + vals['shm']['headroomMiB']}Mi"
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"] == "shm" and mounts["/etc/kvpool"] == "config"
+        assert mounts[POOL_SECRET_DIR] == "pool-secret"
         if vals["pool"]["disk"]["enabled"]:
             assert mounts[vals["pool"]["disk"]["path"]] == "disk"
             hp = vals["pool"]["disk"]["hostPath"]
@@ -304,18 +312,19 @@ def test_redis_internal_or_external(value_set):
     docs = render(value_set)
     ray_env = {e["name"]: e for e in ray_pod_specs(one(docs, "RayCluster"))["head"]["spec"]["containers"][0]["env"]}
     if vals["redis"]["mode"] == "external":
-        assert not [d for d in docs if d["kind"] in ("StatefulSet", "Secret")]
-        assert not any(d["kind"] == "Service" and d["metadata"]["name"].endswith("-redis") for d in docs)
+        assert not [d for d in docs if d["kind"] == "StatefulSet" or "-redis" in d["metadata"]["name"]]
         ref = ray_env["KVPOOL_REDIS_URL"]["valueFrom"]["secretKeyRef"]
         ext = vals["redis"]["external"]
-        assert ref == {"name": ext["existingSecret"], "key": ext["existingSecretKey"]}
+        assert ref == {"name": ext["existingSecret"], "key": ext["shardSecretKey"] or ext["existingSecretKey"]}
         return
     sts = one(docs, "StatefulSet", "-redis")
-    secret = one(docs, "Secret", "-redis")
     svc = one(docs, "Service", "-redis")
     key = vals["redis"]["auth"]["existingSecretKey"]
-    password = secret["data"][key]
-    assert len(password) >= 40  # 32 random characters, base64
+    if vals["redis"]["auth"]["existingSecret"]:  # yours: the chart makes none
+        assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-redis")]
+        secret = {"metadata": {"name": vals["redis"]["auth"]["existingSecret"]}, "data": {}}
+    else:
+        secret = one(docs, "Secret", "-redis")
     pod = sts["spec"]["template"]
     assert labels_match(svc["spec"]["selector"], pod["metadata"]["labels"])
     assert labels_match(sts["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
@@ -323,14 +332,33 @@ def test_redis_internal_or_external(value_set):
     assert c["image"] == f"{vals['redis']['image']['repository']}:{vals['redis']['image']['tag']}"
     env = {e["name"]: e for e in c["env"]}
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": key}
-    assert "requirepass" in c["args"][0] and "$REDIS_PASSWORD" in c["args"][0]
-    # The password never appears in a manifest outside its Secret.
-    plain = base64.b64decode(password).decode()
-    assert all(plain not in json.dumps(d) for d in docs if d is not secret)
+    acl = vals["redis"]["acl"]["enabled"]
+    if acl:  # the users' file: rules from kvpool.index.redis_acl, the hashes filled in at start
+        assert "users.sh /etc/redis-users/users.acl.in /tmp/users.acl" in c["args"][0]
+        assert "aclfile /tmp/users.acl" in c["args"][0] and "requirepass" not in c["args"][0]
+        for role in ("OPERATOR", "SHARD", "ENGINE"):
+            assert env[f"REDIS_{role}_PASSWORD"]["valueFrom"]["secretKeyRef"] == \
+                {"name": secret["metadata"]["name"], "key": f"{role.lower()}-password"}
+        users = one(docs, "Secret", "-redis-users")
+        assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]}["/etc/redis-users"] == "users"
+        assert {v["name"]: v for v in pod["spec"]["volumes"]}["users"]["secret"]["secretName"] == \
+            users["metadata"]["name"]
+        assert set(users["data"]) == {"users.acl.in", "users.sh"}
+    else:
+        assert "requirepass" in c["args"][0] and "$REDIS_PASSWORD" in c["args"][0]
+        assert not [d for d in docs if d["metadata"]["name"].endswith("-redis-users")]
+    if not vals["redis"]["auth"]["existingSecret"]:
+        assert set(secret["data"]) == {key, *(["operator-password", "shard-password", "engine-password"] if acl else [])}
+    # No password appears in a manifest outside its Secret.
+    for value in secret["data"].values():
+        plain = base64.b64decode(value).decode()
+        assert len(plain) == 32 and all(plain not in json.dumps(d) for d in docs if d is not secret)
     url = ray_env["KVPOOL_REDIS_URL"]["value"]
-    assert url == f"redis://:$(REDIS_PASSWORD)@rel-kvpool-redis.{NAMESPACE}.svc.cluster.local:6379/0"
+    user, pw = ("kvpool-shard", "REDIS_SHARD_PASSWORD")  # the Ray pods are the pool's shards
+    assert url == f"redis://{user if acl else ''}:$({pw})@{fullname(value_set)}-redis.{NAMESPACE}.svc.cluster.local:6379/0"
+    assert ray_env[pw]["valueFrom"]["secretKeyRef"]["key"] == ("shard-password" if acl else key)
     names = [e["name"] for e in ray_pod_specs(one(docs, "RayCluster"))["head"]["spec"]["containers"][0]["env"]]
-    assert names.index("REDIS_PASSWORD") < names.index("KVPOOL_REDIS_URL")  # $(VAR) expands only earlier vars
+    assert names.index(pw) < names.index("KVPOOL_REDIS_URL")  # $(VAR) expands only earlier vars
     if vals["redis"]["persistence"]["enabled"]:
         (claim,) = sts["spec"]["volumeClaimTemplates"]
         assert claim["spec"]["resources"]["requests"]["storage"] == vals["redis"]["persistence"]["size"]
@@ -348,9 +376,12 @@ def test_external_redis_url_and_existing_password_secret():
     assert env["KVPOOL_REDIS_URL"] == {"name": "KVPOOL_REDIS_URL", "value": "redis://idx.example:6380/2"}
     assert "REDIS_PASSWORD" not in env
     docs = render("default", ("--set", "redis.auth.existingSecret=my-redis,redis.auth.existingSecretKey=pw"))
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret" and "-redis" in d["metadata"]["name"]] == \
+        ["rel-kvpool-redis-users"]  # the rules only: the passwords are in my-redis
     (c,) = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
     assert c["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "pw"}
+    assert {e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"]} == \
+        {"pw", "operator-password", "shard-password", "engine-password"}
 
 
 def _config(docs: list[dict]) -> dict:
@@ -371,14 +402,30 @@ def test_pool_config(value_set):
     assert [t["id"] for t in cfg["tenants"]] == [t["id"] for t in p["tenants"]]
     assert [t.get("quota") for t in cfg["tenants"]] == [t.get("quota") or None for t in p["tenants"]]
     assert cfg["ray"]["namespace"] == "kvpool" and cfg["ray"]["address"].startswith("ray://")
+    token = vals["ray"]["auth"]["mode"] == "token"
+    name = fullname(value_set)
+    assert cfg["ray"]["auth_mode"] == vals["ray"]["auth"]["mode"]
+    assert cfg["ray"].get("token_secret") == (f"{vals['ray']['auth']['existingSecret'] or name + '-ray-token'}"
+                                              "/auth_token" if token else None)
+    a = vals["auth"]
+    assert cfg["auth"] == {"secret_file": f"{POOL_SECRET_DIR}/{a['existingSecretKey']}",
+                           "secret": f"{a['existingSecret'] or name + '-pool-secret'}/{a['existingSecretKey']}"}
     r = vals["redis"]
     if r["mode"] == "internal":  # where the password is, never the password
-        assert cfg["index"] == {"backend": "redis",
-                                "url": f"redis://rel-kvpool-redis.{NAMESPACE}.svc.cluster.local:6379/0",
-                                "password_secret": f"rel-kvpool-redis/{r['auth']['existingSecretKey']}"}
+        secret = r["auth"]["existingSecret"] or f"{name}-redis"
+        want = {"backend": "redis", "url": f"redis://{name}-redis.{NAMESPACE}.svc.cluster.local:6379/0",
+                "password_secret": f"{secret}/{r['auth']['existingSecretKey']}"}
+        if r["acl"]["enabled"]:
+            want["users"] = {role: {"user": f"kvpool-{role}", "password_secret": f"{secret}/{role}-password"}
+                             for role in ("operator", "shard", "engine")}
+        assert cfg["index"] == want
     else:
-        assert cfg["index"] == {"backend": "redis", "url_secret": f"{r['external']['existingSecret']}/"
-                                f"{r['external']['existingSecretKey']}"}
+        ext = r["external"]
+        want = {"backend": "redis", "url_secret": f"{ext['existingSecret']}/{ext['existingSecretKey']}"}
+        for role in ("shard", "engine"):
+            if ext[f"{role}SecretKey"]:
+                want[f"{role}_url_secret"] = f"{ext['existingSecret']}/{ext[f'{role}SecretKey']}"
+        assert cfg["index"] == want
     # The store part is StoreConfig's own vocabulary: it builds one.
     from kvpool.store import StoreConfig
 
@@ -395,7 +442,7 @@ def _run_scripts(data: dict, tmp_path: Path, scripts: list[str]) -> list[list[st
         (bin_dir / name).write_text(stub)
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "KVPOOL_RAY_ADDRESS": "ray://head:10001",
-           "KVPOOL_REDIS_URL": "redis://:pw@redis:6379/0"}
+           "KVPOOL_REDIS_URL": "redis://op:pw@redis:6379/0", "KVPOOL_POOL_REDIS_URL": "redis://shard:pw@redis:6379/0"}
     for s in scripts:
         path = tmp_path / s
         path.write_text(data[s])
@@ -425,7 +472,10 @@ def test_up_script_runs_the_real_cli(value_set, tmp_path):
     assert all(c[0] == "kvpool" for c in calls[1:])
     up = parsed[0]
     p = vals["pool"]
-    assert (up.command, up.ray_address, up.redis) == ("up", "ray://head:10001", "redis://:pw@redis:6379/0")
+    # the pool's actors get the shard's index URL; the quotas below take the operator's
+    assert (up.command, up.ray_address, up.redis) == ("up", "ray://head:10001", "redis://shard:pw@redis:6379/0")
+    assert up.secret_file is None  # the Job's $KVPOOL_SECRET_FILE, mounted
+    assert all(a.redis == "redis://op:pw@redis:6379/0" for a in parsed[1:] if a.command == "tenants")
     policy = "lru" if p["policy"] == "tiered-memory" else p["policy"]
     assert (up.page_size, up.dram_pages, up.policy) == (f"{p['pageMiB']}MiB", p["dramPages"], policy)
     assert up.tenant == [t["id"] for t in p["tenants"]]
@@ -561,6 +611,118 @@ def test_prometheus_scrapes_every_ray_pod(value_set):
     assert mon["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
 
 
+# ----------------------------------------------------------------------------- defence in depth
+
+
+def pool_pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """The pod spec of every kvpool container that talks to Ray: the Ray pods, the Job, the CronJob."""
+    out = {role: tpl["spec"] for role, tpl in ray_pod_specs(one(docs, "RayCluster")).items()}
+    out["job"] = one(docs, "Job")["spec"]["template"]["spec"]
+    for cron in (d for d in docs if d["kind"] == "CronJob"):
+        out["cronjob"] = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return out
+
+
+def _generated(docs: list[dict], suffix: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith(suffix)]
+
+
+def _secret_value(docs: list[dict], secret: dict, key: str, length: int) -> str:
+    """A generated Secret's value: ``length`` random characters that no other manifest holds."""
+    value = base64.b64decode(secret["data"][key]).decode()
+    assert len(value) == length
+    assert all(value not in json.dumps(d) for d in docs if d is not secret)
+    return value
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_ray_token_auth_is_on_unless_disabled(value_set):
+    vals = values_of(value_set)
+    docs = render(value_set)
+    rc = one(docs, "RayCluster")
+    auth = vals["ray"]["auth"]
+    token = auth["mode"] == "token"
+    name = auth["existingSecret"] or f"{fullname(value_set)}-ray-token"
+    generated = _generated(docs, "-ray-token")
+    if token:
+        assert rc["spec"]["authOptions"] == {"mode": "token", "secretName": name}  # KubeRay's own wiring
+        if auth["existingSecret"]:
+            assert generated == []
+        else:
+            (secret,) = generated
+            assert secret["metadata"]["name"] == name
+            _secret_value(docs, secret, "auth_token", 64)
+    else:
+        assert "authOptions" not in rc["spec"] and generated == []
+    for where, spec in pool_pod_specs(docs).items():
+        (c,) = spec["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == auth["mode"], where  # explicit: Ray's default changes by version
+        if token:  # also without KubeRay's authOptions (an older operator drops the field)
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": name, "key": "auth_token"}, where
+        else:
+            assert "RAY_AUTH_TOKEN" not in env, where
+    assert crd_errors(rc) == []
+
+
+def test_ray_token_from_an_existing_secret():
+    docs = render("default", ("--set", "ray.auth.existingSecret=my-ray-token"))
+    assert _generated(docs, "-ray-token") == []
+    assert one(docs, "RayCluster")["spec"]["authOptions"]["secretName"] == "my-ray-token"
+    (c,) = one(docs, "Job")["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e for e in c["env"]}["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-ray-token"
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pool_secret_is_mounted_into_every_pool_pod(value_set, tmp_path):
+    from kvpool.auth import Authority
+
+    vals = values_of(value_set)
+    docs = render(value_set)
+    a = vals["auth"]
+    name, key = a["existingSecret"] or f"{fullname(value_set)}-pool-secret", a["existingSecretKey"]
+    generated = _generated(docs, "-pool-secret")
+    if a["existingSecret"]:
+        assert generated == []
+    else:
+        (secret,) = generated
+        mounted = tmp_path / key  # the file the pods see
+        mounted.write_text(_secret_value(docs, secret, key, 64))
+        assert Authority.from_env({"KVPOOL_SECRET_FILE": str(mounted)}).secured
+    for where, spec in pool_pod_specs(docs).items():
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["pool-secret"]["secret"] == {"secretName": name, "items": [{"key": key, "path": key}]}, where
+        (c,) = spec["containers"]
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["pool-secret"] == {"name": "pool-secret", "mountPath": POOL_SECRET_DIR, "readOnly": True}
+        env = {e["name"]: e for e in c["env"]}
+        assert env["KVPOOL_SECRET_FILE"] == {"name": "KVPOOL_SECRET_FILE", "value": f"{POOL_SECRET_DIR}/{key}"}
+    for sts in (d for d in docs if d["kind"] == "StatefulSet"):  # Redis has no business with it
+        assert "pool-secret" not in json.dumps(sts)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_each_component_reaches_the_index_as_its_own_redis_user(value_set):
+    vals = values_of(value_set)
+    docs = render(value_set)
+    r = vals["redis"]
+    if r["mode"] == "external":
+        want = {"shard": r["external"]["shardSecretKey"] or r["external"]["existingSecretKey"],
+                "operator": r["external"]["existingSecretKey"]}
+        key = lambda env, var: env[var]["valueFrom"]["secretKeyRef"]["key"]  # noqa: E731
+    else:
+        acl = r["acl"]["enabled"]
+        want = {role: f"kvpool-{role}" if acl else "" for role in ("shard", "operator")}
+        key = lambda env, var: env[var]["value"].split("//")[1].split(":")[0]  # noqa: E731 - the URL's user
+    for where, spec in pool_pod_specs(docs).items():
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        if where in ("job", "cronjob"):  # the operator; the actors it starts get the shard's URL
+            assert (key(env, "KVPOOL_REDIS_URL"), key(env, "KVPOOL_POOL_REDIS_URL")) == \
+                (want["operator"], want["shard"]), where
+        else:
+            assert key(env, "KVPOOL_REDIS_URL") == want["shard"] and "KVPOOL_POOL_REDIS_URL" not in env, where
+
+
 # ----------------------------------------------------------------------------- bad values
 
 
@@ -591,6 +753,11 @@ BAD_VALUES = [
      "head.resources.limits.memory 2Gi does not exceed its /dev/shm of 3584 MiB"),
     (("--set", "redis.mode=external"), "redis.mode=external needs redis.external.url"),
     (("--set", "engineTenant=nobody"), 'engineTenant "nobody" is not among pool.tenants [default]'),
+    (("--set", "ray.auth.mode=on"), 'ray.auth.mode: ray.auth.mode must be one of the following: "token", "disabled"'),
+    (("--set", "auth.existingSecretKey=a/b"), "auth.existingSecretKey: Does not match pattern"),
+    (("--set", "redis.acl=true"), "redis.acl: Invalid type. Expected: object, given: boolean"),
+    (("--set", "redis.mode=external,redis.external.url=redis://r:6379/0,redis.external.shardSecretKey=s"),
+     "redis.external.shardSecretKey and engineSecretKey name keys of redis.external.existingSecret"),
     (("--set-json", 'pool.tenants=[{"id":"a"},{"id":"a"}]', "--set", "engineTenant=a"),
      'pool.tenants: tenant "a" is listed twice'),
     (("--set", "warmup.enabled=true,warmup.model=demo", "--set-json", 'warmup.entries=[{"tenant":"x","tokens":[1]}]'),
@@ -654,7 +821,10 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
     assert f"http://rel-kvpool-dashboard.{NAMESPACE}.svc.cluster.local:8265" in notes
     assert f"kubectl -n {NAMESPACE} port-forward svc/rel-kvpool-dashboard 8265" in notes
     assert f"kubectl -n {NAMESPACE} logs -f job/rel-kvpool-up-r1" in notes
-    assert "get secret rel-kvpool-redis -o jsonpath='{.data.redis-password}'" in notes
+    assert "get secret rel-kvpool-redis -o jsonpath='{.data.engine-password}'" in notes
+    assert "export RAY_AUTH_MODE=token" in notes
+    assert "get secret rel-kvpool-ray-token -o jsonpath='{.data.auth_token}'" in notes
+    assert "-- kvpool auth issue default)" in notes and "export KVPOOL_CREDENTIAL=" in notes
     vllm, sglang = _engine_lines(notes)
     env = {"KVPOOL_REDIS_PASSWORD": "S3cretPw"}
     words = _shell_words(vllm, env)
@@ -664,7 +834,7 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
         {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm", "kv_role": "kv_both"}
     extra = cfg["kv_connector_extra_config"]
     want = {"backend": "ray", "ray_address": f"ray://{head}:10001", "namespace": "kvpool",
-            "index_url": f"redis://:S3cretPw@{redis_host}:6379/0", "tenants": ["default"], "tenant": "default",
+            "index_url": f"redis://kvpool-engine:S3cretPw@{redis_host}:6379/0", "tenants": ["default"], "tenant": "default",
             "chunk_tokens": 256}
     assert extra == want
     assert check_config(extra)["backend"] == "ray"  # the connectors' own check accepts it
@@ -683,7 +853,7 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
 def test_notes_with_external_redis_in_a_secret(tmp_path):
     notes = render_notes(tmp_path, "-f", str(CHART / "ci" / "external-redis-values.yaml"))
     assert "ray://kvp-head.kv.svc.cluster.example:10001" in notes
-    assert "get secret kvpool-redis-url -o jsonpath='{.data.url}'" in notes
+    assert "get secret kvpool-redis-url -o jsonpath='{.data.engine-url}'" in notes
     vllm, _ = _engine_lines(notes)
     cfg = json.loads(_shell_words(vllm, {"KVPOOL_REDIS_URL": "rediss://:x@r:6379/1"})[4])
     assert cfg["kv_connector_extra_config"]["index_url"] == "rediss://:x@r:6379/1"

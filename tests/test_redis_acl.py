@@ -202,3 +202,59 @@ def test_the_template_with_hashes_filled_in_is_the_aclfile(tmp_path):
         assert users.index("engine").lookup(make_keys(4, seed=3)).count == 3
     finally:
         users.server.kill()
+
+
+def test_the_charts_redis_users_on_a_real_redis(tmp_path):
+    """The chart end to end: its Redis Secret's passwords, its users file filled in by its own
+    script as the Redis pod does, and each component's index URL as its pod spells it."""
+    import base64
+    import os
+    import subprocess
+
+    from test_helm import NAMESPACE, one, render
+
+    docs = render("default")
+    secret = {k: base64.b64decode(v).decode() for k, v in one(docs, "Secret", "-redis")["data"].items()}
+    users = {k: base64.b64decode(v).decode() for k, v in one(docs, "Secret", "-redis-users")["data"].items()}
+    (redis_c,) = one(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: secret[e["valueFrom"]["secretKeyRef"]["key"]] for e in redis_c["env"]}
+    for name in ("users.sh", "users.acl.in"):
+        (tmp_path / name).write_text(users[name])
+    out = tmp_path / "users.acl"
+    r = subprocess.run(["sh", str(tmp_path / "users.sh"), str(tmp_path / "users.acl.in"), str(out)],
+                       env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_mode & 0o777 == 0o600 and not any(pw in out.read_text() for pw in secret.values())
+    server = OwnRedis(tmp_path, "--aclfile", str(out))
+    try:
+        host = f"rel-kvpool-redis.{NAMESPACE}.svc.cluster.local:6379"
+
+        def url_of(spec: dict, var: str) -> str:  # as Kubernetes expands $(VAR), on this test's server
+            (c,) = spec["containers"]
+            env = {e["name"]: e for e in c["env"]}
+            url = env[var]["value"]
+            for name, e in env.items():
+                if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]:
+                    url = url.replace(f"$({name})", secret.get(e["valueFrom"]["secretKeyRef"]["key"], ""))
+            return url.replace(host, f"127.0.0.1:{server.port}")
+
+        job = one(docs, "Job")["spec"]["template"]["spec"]
+        head = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+        op = RedisIndex(url_of(job, "KVPOOL_REDIS_URL"))
+        pool_url = url_of(job, "KVPOOL_POOL_REDIS_URL")
+        assert pool_url == url_of(head, "KVPOOL_REDIS_URL")  # what `kvpool up` hands the actors is the pods' own
+        shard = RedisIndex(pool_url)
+        engine = RedisIndex(f"redis://kvpool-engine:{secret['engine-password']}@127.0.0.1:{server.port}/0")
+        op.add_tenant("default", 10_000)
+        shard.register_shard("node-1")
+        keys = make_keys(2, seed=5)
+        shard.publish(_entries(keys, tenant="default"))
+        assert engine.lookup(keys).count == 2
+        with pytest.raises(Forbidden):
+            shard.set_quota("default", 10**12)
+        with pytest.raises(Forbidden):
+            engine.publish(_entries(make_keys(1, seed=6), tenant="default"))
+        admin = redis.Redis(port=server.port, password=secret["redis-password"])  # the readiness probe's user
+        assert admin.ping() and admin.acl_whoami() == "default"
+    finally:
+        server.kill()

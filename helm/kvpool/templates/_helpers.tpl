@@ -74,7 +74,7 @@ The index URL as it appears to people (NOTES.txt): the password is never printed
 */}}
 {{- define "kvpool.redisUrlShown" -}}
 {{- if eq .Values.redis.mode "internal" -}}
-{{- printf "redis://:<password>@%s:%d/0" (include "kvpool.redisHost" .) (int .Values.redis.port) }}
+{{- printf "redis://%s:<password>@%s:%d/0" (ternary "<user>" "" .Values.redis.acl.enabled) (include "kvpool.redisHost" .) (int .Values.redis.port) }}
 {{- else if .Values.redis.external.existingSecret -}}
 {{- printf "<the URL in Secret %s, key %s>" .Values.redis.external.existingSecret .Values.redis.external.existingSecretKey }}
 {{- else -}}
@@ -83,28 +83,116 @@ The index URL as it appears to people (NOTES.txt): the password is never printed
 {{- end }}
 
 {{/*
-Environment that gives a container KVPOOL_REDIS_URL (the password from the Secret, never in the
-manifest). Kubernetes expands $(REDIS_PASSWORD) because it is defined first.
+The Redis user of a role (kvpool.index.redis_acl.USERS) when redis.acl.enabled.
+*/}}
+{{- define "kvpool.redisUser" -}}
+{{- printf "kvpool-%s" . }}
+{{- end }}
+
+{{/*
+Environment that gives a container the index URL of a role (operator, shard, engine) in the
+variable named: the password from the Secret, never in the manifest. Kubernetes expands
+$(REDIS_<ROLE>_PASSWORD) because it is defined first. Arg: (list root role variable).
 */}}
 {{- define "kvpool.redisEnv" -}}
-{{- if eq .Values.redis.mode "internal" }}
-- name: REDIS_PASSWORD
+{{- $role := index . 1 }}
+{{- $var := index . 2 }}
+{{- with index . 0 }}
+{{- $r := .Values.redis }}
+{{- if eq $r.mode "internal" }}
+{{- $pw := printf "REDIS_%s_PASSWORD" (upper $role) }}
+{{- $user := ternary (include "kvpool.redisUser" $role) "" $r.acl.enabled }}
+- name: {{ $pw }}
   valueFrom:
     secretKeyRef:
       name: {{ include "kvpool.redisSecretName" . }}
-      key: {{ .Values.redis.auth.existingSecretKey }}
-- name: KVPOOL_REDIS_URL
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "kvpool.redisHost" .) (int .Values.redis.port) | quote }}
-{{- else if .Values.redis.external.existingSecret }}
-- name: KVPOOL_REDIS_URL
+      key: {{ ternary (printf "%s-password" $role) $r.auth.existingSecretKey $r.acl.enabled }}
+- name: {{ $var }}
+  value: {{ printf "redis://%s:$(%s)@%s:%d/0" $user $pw (include "kvpool.redisHost" .) (int $r.port) | quote }}
+{{- else if $r.external.existingSecret }}
+- name: {{ $var }}
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.external.existingSecret }}
-      key: {{ .Values.redis.external.existingSecretKey }}
+      name: {{ $r.external.existingSecret }}
+      key: {{ include "kvpool.externalRedisKey" (list . $role) }}
 {{- else }}
-- name: KVPOOL_REDIS_URL
-  value: {{ .Values.redis.external.url | quote }}
+- name: {{ $var }}
+  value: {{ $r.external.url | quote }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The key of redis.external.existingSecret holding a role's URL. Arg: (list root role). */}}
+{{- define "kvpool.externalRedisKey" -}}
+{{- $ext := (index . 0).Values.redis.external }}
+{{- $role := index . 1 }}
+{{- if and (eq $role "shard") $ext.shardSecretKey }}{{ $ext.shardSecretKey }}
+{{- else if and (eq $role "engine") $ext.engineSecretKey }}{{ $ext.engineSecretKey }}
+{{- else }}{{ $ext.existingSecretKey }}
+{{- end }}
+{{- end }}
+
+{{/*
+Secrets: Ray's token (key auth_token, KubeRay's name) and the pool secret (kvpool.auth).
+*/}}
+{{- define "kvpool.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "kvpool.fullname" .)) .Values.ray.auth.existingSecret }}
+{{- end }}
+
+{{- define "kvpool.poolSecretName" -}}
+{{- default (printf "%s-pool-secret" (include "kvpool.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "kvpool.poolSecretDir" -}}
+/var/run/secrets/kvpool
+{{- end }}
+
+{{/*
+A generated Secret value, base64: the one already in the cluster (an upgrade keeps it), else a
+new random one. Arg: (list root secretName key length).
+*/}}
+{{- define "kvpool.keepOrGenerate" -}}
+{{- $root := index . 0 }}
+{{- $old := lookup "v1" "Secret" $root.Release.Namespace (index . 1) }}
+{{- if and $old $old.data (hasKey $old.data (index . 2)) }}
+{{- index $old.data (index . 2) }}
+{{- else }}
+{{- randAlphaNum (int (index . 3)) | b64enc }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of every kvpool container that talks to Ray and holds the pool secret: Ray's token
+authentication (RAY_AUTH_MODE, RAY_AUTH_TOKEN from its Secret; set here as well as by KubeRay's
+authOptions, so an operator without authOptions still gets it) and KVPOOL_SECRET_FILE.
+*/}}
+{{- define "kvpool.authEnv" -}}
+- name: RAY_AUTH_MODE
+  value: {{ .Values.ray.auth.mode | quote }}
+{{- if eq .Values.ray.auth.mode "token" }}
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvpool.rayTokenSecretName" . }}
+      key: auth_token
+{{- end }}
+- name: KVPOOL_SECRET_FILE
+  value: {{ printf "%s/%s" (include "kvpool.poolSecretDir" .) .Values.auth.existingSecretKey | quote }}
+{{- end }}
+
+{{- define "kvpool.poolSecretVolume" -}}
+- name: pool-secret
+  secret:
+    secretName: {{ include "kvpool.poolSecretName" . }}
+    items:
+      - key: {{ .Values.auth.existingSecretKey }}
+        path: {{ .Values.auth.existingSecretKey }}
+{{- end }}
+
+{{- define "kvpool.poolSecretMount" -}}
+- name: pool-secret
+  mountPath: {{ include "kvpool.poolSecretDir" . }}
+  readOnly: true
 {{- end }}
 
 {{/* Sizes, MiB. */}}
@@ -151,6 +239,9 @@ Checks across values that the JSON schema cannot express; each failure names the
 {{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) }}
 {{- fail "redis.mode=external needs redis.external.url (redis://host:6379/0) or redis.external.existingSecret (a Secret holding the URL)" }}
 {{- end }}
+{{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.existingSecret) (or .Values.redis.external.shardSecretKey .Values.redis.external.engineSecretKey) }}
+{{- fail "redis.external.shardSecretKey and engineSecretKey name keys of redis.external.existingSecret: set it (a Secret holding each user's URL)" }}
+{{- end }}
 {{- if and (eq .Values.pool.policy "tiered-memory") (not .Values.pool.disk.enabled) }}
 {{- fail "pool.policy=tiered-memory demotes DRAM -> disk before dropping: set pool.disk.enabled=true (and pool.disk.pages), or pick a one-tier policy such as lru" }}
 {{- end }}
@@ -183,6 +274,7 @@ Checks across values that the JSON schema cannot express; each failure names the
 - name: config
   configMap:
     name: {{ include "kvpool.fullname" $root }}-config
+{{ include "kvpool.poolSecretVolume" $root }}
 {{- if $root.Values.pool.disk.enabled }}
 - name: disk
 {{- if $root.Values.pool.disk.hostPath }}
@@ -202,6 +294,7 @@ Checks across values that the JSON schema cannot express; each failure names the
 - name: config
   mountPath: /etc/kvpool
   readOnly: true
+{{ include "kvpool.poolSecretMount" . }}
 {{- if .Values.pool.disk.enabled }}
 - name: disk
   mountPath: {{ .Values.pool.disk.path }}
