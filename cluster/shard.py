@@ -101,7 +101,11 @@ class ShardActor:
         set them with `kvpool tenants`) unless this shard's config names them explicitly: a node
         joining must not reset a quota to unlimited."""
         for t in tenants_to_register(self.tenant_config, {t.id for t in self.index.tenants()}):
-            self.index.add_tenant(t["id"], t.get("quota_bytes", 2**62), t.get("priority", "normal"))
+            try:
+                self.index.add_tenant(t["id"], t.get("quota_bytes", 2**62), t.get("priority", "normal"))
+            except Forbidden as e:  # a shard's Redis user creates tenants, never changes a quota
+                log.warning("shard %s: tenant %s keeps the index's quota and priority (%s): set them with "
+                            "`kvpool tenants` as an operator", self.shard_id, t["id"], e)
         self.index.register_shard(self.shard_id, self.node_id, self.ttl_s)
 
     def _heartbeat(self) -> None:
