@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 
 import ray
 
@@ -40,6 +41,13 @@ class Controller:
         self.errors = 0
         self._missing: dict[str, int] = {}  # passes a shard has been absent from the index
         self._reports: dict[str, dict] = {}
+        self.incarnation = uuid.uuid4().hex  # a restarted controller (Ray restarts it empty) has a new one
+        # NOTE: after a restart, adopt the live shards before answering anyone: a client that took
+        # the empty ring of a controller that has not reconciled yet would drop every shard.
+        try:
+            self._adopt(self._idx().shards())
+        except Exception as e:  # noqa: BLE001 - the index may be down: the loop adopts them later
+            log.warning("controller: no shard adopted at start (%s)", type(e).__name__)
         self._loop = threading.Thread(target=self._run, daemon=True, name="kvpool-controller")
         self._loop.start()
         log.info("controller: started on node %s", ray.get_runtime_context().get_node_id()[:12])
@@ -115,7 +123,7 @@ class Controller:
 
     def health(self) -> dict:
         return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),
-                "version": self.ring.version}
+                "version": self.ring.version, "incarnation": self.incarnation}
 
     # ---------------------------------------------------------------- reconcile loop
     def _run(self) -> None:

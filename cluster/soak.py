@@ -81,7 +81,7 @@ class SoakClient:
                 z = min(int(self.rng.zipf(1.3)) - 1, len(self.convs) - 1)
                 tenant, tokens = self.convs[-1 - z]  # recent conversations return more often
                 keys = self._keys(tenant, tokens)
-                hit = timed("lookup", partial(self.c.lookup, keys))
+                hit = timed("lookup", partial(self.c.lookup, tenant, keys))
                 if hit is not None and hit.count:
                     got = timed("get", partial(self.c.get, tenant, keys, hit)) or []
                     chunks_read += len(got)
@@ -101,7 +101,7 @@ class SoakClient:
                 self.convs = self.convs[-200:]
             else:
                 tokens = self.rng.integers(0, 32000, SPEC.chunk_tokens * 3)
-                timed("lookup", partial(self.c.lookup, self._keys(self.tenants[0], tokens)))
+                timed("lookup", partial(self.c.lookup, self.tenants[0], self._keys(self.tenants[0], tokens)))
         return {"latency_ms": lat, "errors": errors, "wrong_bytes": wrong, "chunks_read": chunks_read}
 
     def close(self) -> None:

@@ -241,11 +241,11 @@ def test_a_restarted_controller_adopts_the_shards_and_clients_carry_on(client, r
     put_all(client, keys)
     controller = ray.get_actor(CONTROLLER, namespace="kvpool-faults")
     before = set(ray.get(controller.state.remote(), timeout=10)["shards"])
-    passes = ray.get(controller.health.remote(), timeout=10)["passes"]
+    old = ray.get(controller.health.remote(), timeout=10)["incarnation"]
 
     def adopted_by_the_new_one() -> bool:  # not the old incarnation answering before the kill lands
         h = ray.get(controller.health.remote(), timeout=5)
-        return h["passes"] < passes and set(h["shards"]) == before
+        return h["incarnation"] != old and set(h["shards"]) == before
 
     with Traffic(client, keys) as tr:
         time.sleep(0.3)
