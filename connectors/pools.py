@@ -11,17 +11,28 @@ config):
   process that names the same ``pool``) or ``"ray"`` (the cluster: ``ray_address``,
   ``namespace``, ``index_url`` for a Redis index, ``timeout_s``);
 - ``pool``: the local pool's name (default ``"default"``); ``dram_mib`` its size (default 1024);
-- ``tenants``: tenant ids the pool serves (default ``["default"]``); ``tenant``: the one this
-  connector writes as when a request names none;
+- ``tenants``: the tenants the pool serves (default ``["default"]``), each an id or a dict with
+  ``id``, the :class:`~kvpool.tenants.Tenant` settings (``quota_bytes``, ``priority``, ...) and,
+  for the engines' request routing (:mod:`kvpool.connectors.tenancy`), optional
+  ``request_secret`` (what an API user sends to be served as this tenant) and ``credential`` (the
+  tenant's pool credential, ``kvp1...``, for a secured pool); ``tenant``: the one a request
+  without a secret is served as;
+- ``credentials_file``: a JSON file ``{tenant: credential}`` (a mounted Kubernetes Secret);
+- ``secret_file``: the pool secret of a *local* pool that should be secured (else
+  ``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET`` when set): the pool then takes credentials, and the
+  configured tenants' credentials are issued here. A cluster's engines never hold its secret:
+  they take credentials;
 - ``chunk_tokens`` (default 256).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Any
 
+from kvpool.auth import SECRET_FILE_ENV, Authority
 from kvpool.errors import BadRequest
 from kvpool.pool import LocalPool
 from kvpool.spec import KVSpec
@@ -29,11 +40,15 @@ from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
 KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "ray_address", "namespace",
-              "index_url", "timeout_s", "policy", "load_min_tokens"}
+              "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file"}
+# Keys of a tenant's dict that route requests (kvpool.connectors.tenancy); the rest are Tenant's.
+TENANT_AUTH_KEYS = ("request_secret", "credential")
+TENANT_KEYS = frozenset(f.name for f in dataclasses.fields(Tenant)) | set(TENANT_AUTH_KEYS)
 DTYPE_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
                "float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 _local_stores: dict[str, ChunkStore] = {}
+_local_auth: dict[str, Authority] = {}
 _lock = threading.Lock()
 
 
@@ -59,17 +74,70 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     backend = config.get("backend", "local")
     if backend not in ("local", "ray"):
         raise BadRequest(f"kvpool backend {backend!r} is not 'local' or 'ray'")
+    tenants = config.get("tenants", ["default"])
+    if not isinstance(tenants, (list, tuple)):
+        raise BadRequest(f"tenants is a list of tenant ids or {{'id': ...}} dicts, got {type(tenants).__name__}")
+    for t in tenants:
+        _check_tenant(t)
+    for k in ("credentials_file", "secret_file"):
+        if k in config and (not isinstance(config[k], str) or not config[k]):
+            raise BadRequest(f"{k} is the path of a file, got {type(config[k]).__name__}")
+    if "secret_file" in config and backend != "local":
+        raise BadRequest("secret_file secures a local pool; a cluster's engines take credentials, never its secret: "
+                         "set credentials_file or the tenants' credential instead")
     return {"backend": backend, "pool": config.get("pool", "default"), "dram_mib": int(config.get("dram_mib", 1024)),
-            "tenants": list(config.get("tenants", ["default"])), "chunk_tokens": int(config.get("chunk_tokens", 256)),
+            "tenants": list(tenants), "chunk_tokens": int(config.get("chunk_tokens", 256)),
             **{k: config[k] for k in ("tenant", "ray_address", "namespace", "index_url", "timeout_s", "policy",
-                                      "load_min_tokens") if k in config}}
+                                      "load_min_tokens", "credentials_file", "secret_file") if k in config}}
+
+
+def _check_tenant(t: object) -> None:
+    if isinstance(t, str):
+        return
+    if not isinstance(t, dict) or not isinstance(t.get("id"), str):
+        raise BadRequest(f"each of tenants is a tenant id or a dict with an 'id', got {type(t).__name__}")
+    unknown = set(t) - TENANT_KEYS
+    if unknown:
+        raise BadRequest(f"tenant {t['id']!r}: unknown settings {sorted(unknown)}; known: {sorted(TENANT_KEYS)}")
+    for k in TENANT_AUTH_KEYS:
+        if k in t and (not isinstance(t[k], str) or not t[k]):  # NOTE: never show the value: it is a secret
+            raise BadRequest(f"tenant {t['id']!r}: {k} is a non-empty string, got {type(t[k]).__name__}")
+
+
+def tenant_ids(config: dict[str, Any]) -> list[str]:
+    """The ids of the config's tenants."""
+    return [t if isinstance(t, str) else t["id"] for t in check_config(config)["tenants"]]
+
+
+def pool_tenants(cfg: dict[str, Any]) -> list[Tenant]:
+    """The config's tenants as the pool registers them (without their routing keys)."""
+    return [Tenant(t) if isinstance(t, str) else Tenant(**{k: v for k, v in t.items() if k not in TENANT_AUTH_KEYS})
+            for t in cfg["tenants"]]
+
+
+def pool_authority(config: dict[str, Any]) -> Authority:
+    """Who checks credentials in the pool ``config`` opens, seen from this process: a local pool's
+    secret (``secret_file``, else ``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET``; open without one),
+    the same for every opener of that pool; ``Authority(None)`` for a cluster (its shards hold the
+    secret, the engine only credentials)."""
+    cfg = check_config(config)
+    if cfg["backend"] != "local":
+        return Authority(None)
+    path = cfg.get("secret_file")
+    auth = Authority.from_env({SECRET_FILE_ENV: path} if path else None)
+    with _lock:
+        known = _local_auth.setdefault(cfg["pool"], auth)
+    if known.secret_env() != auth.secret_env():
+        raise BadRequest(f"local pool {cfg['pool']!r} is already open {'with another' if known.secured else 'without a'}"
+                         " pool secret in this process: give every connector of it the same secret_file")
+    return known
 
 
 def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
     """A ``LocalPool`` or a ``ClusterPool`` for ``spec``: same surface (keys, lookup, begin, load,
     save, end)."""
     cfg = check_config(config or {})
-    tenants = [Tenant(t) if isinstance(t, str) else Tenant(**t) for t in cfg["tenants"]]
+    tenants = pool_tenants(cfg)
     if cfg["backend"] == "local":
         with _lock:
             store = _local_stores.get(cfg["pool"])
@@ -81,7 +149,7 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
             else:
                 for t in tenants:
                     store.tenants.add(t)
-        return LocalPool(spec, store)
+        return LocalPool(spec, store, pool_authority(cfg))
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
@@ -102,3 +170,4 @@ def close_local_pools() -> None:
         for store in _local_stores.values():
             store.close()
         _local_stores.clear()
+        _local_auth.clear()

@@ -25,6 +25,10 @@ dtype, page size) known, so that is where the pool is opened. Host pool layouts 
 ``page_first`` (SGLang's default) and ``page_first_direct`` are supported; ``page_head``,
 ``page_unified``, MLA pools and hybrid (v2, multi-pool) models are refused with a clear error.
 
+Tenants: a call is served as the tenant of the request secret in ``extra_info["kvpool_secret"]``,
+as the config's ``tenant`` without one, and not cached at all with a secret that is nobody's
+(:mod:`kvpool.connectors.tenancy`; :mod:`kvpool.connectors.sglang_keys` says what SGLang passes).
+
 Pages and keys. One kvpool chunk holds one SGLang page (:mod:`kvpool.connectors.sglang_pages`);
 each SGLang page key becomes a ChunkKey in a namespace of the tenant, the model's weights and
 shape, this rank's shard and the call's salt (:mod:`kvpool.connectors.sglang_keys`).
@@ -52,6 +56,7 @@ from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.pools import check_config, open_pool, spec_for
 from kvpool.connectors.sglang_keys import PageKeys, call_context, model_identity
 from kvpool.connectors.sglang_pages import HostPages
+from kvpool.connectors.tenancy import Route, Tenancy
 from kvpool.errors import BadRequest, KvPoolError, UnknownTenant
 from kvpool.keys import ChunkKey
 
@@ -86,6 +91,7 @@ class KVPoolStorage(HiCacheStorage):
         if self.tenant not in tenants:
             raise BadRequest(f"tenant {self.tenant!r} is not among the pool's tenants {tenants}: add it to "
                              "\"tenants\" in --hicache-storage-backend-extra-config")
+        self.tenancy = Tenancy(self.config, fallback=self.tenant, engine="kvpool's SGLang backend")
         if extra is not None:
             # NOTE: SGLang picks the zero-copy path by reading this key of the very dict it handed us,
             # after constructing the backend; an operator's explicit 0 keeps the generic path.
@@ -147,9 +153,15 @@ class KVPoolStorage(HiCacheStorage):
 
     def chunk_keys(self, keys: Sequence[str], tenant: Optional[str] = None,
                    salt: tuple[str, ...] = ()) -> list[ChunkKey]:
-        """The pool's ChunkKeys of SGLang page keys (in ``tenant``'s namespace, with ``salt``)."""
+        """The pool's ChunkKeys of SGLang page keys (in the namespace of ``tenant``, what the pool is
+        passed: the default tenant's when None; with ``salt``)."""
         self._need_pool()
-        return self._keys.chunk_keys(self.pool, keys, tenant or self.tenant, salt)
+        return self._keys.chunk_keys(self.pool, keys, tenant or self.tenancy.default.pool_as, salt)
+
+    def _context(self, extra_info) -> tuple[Optional[Route], tuple[str, ...], Optional[str]]:
+        """(where the call goes, None: not cached; salt parts; parent page key)."""
+        secret, named, salt, parent = call_context(extra_info)
+        return self.tenancy.route(secret, named), salt, parent
 
     # ------------------------------------------------------------------ pool access
 
@@ -240,8 +252,9 @@ class KVPoolStorage(HiCacheStorage):
         if target_locations is not None and len(target_locations) != len(keys):
             raise BadRequest(f"{len(keys)} keys but {len(target_locations)} target locations")
         targets = [self._pages.check_flat(t, f"target_locations[{i}]") for i, t in enumerate(target_locations or [])]
-        tenant, salt, _ = call_context(extra_info, self.tenant)
-        chunks = self._load(tenant, self.chunk_keys(keys, tenant, salt))
+        route, salt, _ = self._context(extra_info)
+        ckeys = self.chunk_keys(keys, route.pool_as if route else None, salt)  # bad keys fail either way
+        chunks = self._load(route.pool_as, ckeys) if route else []
         out: list[torch.Tensor | None] = [None] * len(keys)
         for i, chunk in enumerate(chunks):
             flat = targets[i] if targets else self._pages.empty_flat()
@@ -263,8 +276,11 @@ class KVPoolStorage(HiCacheStorage):
         chunks = [self._pages.flat_to_chunk(self._pages.check_flat(v, f"values[{i}]")) for i, v in enumerate(values)]
         if not keys:
             return True
-        tenant, salt, parent_key = call_context(extra_info, self.tenant)
-        ckeys = self.chunk_keys(keys, tenant, salt)
+        route, salt, parent_key = self._context(extra_info)
+        tenant = route.pool_as if route else None
+        ckeys = self.chunk_keys(keys, tenant, salt)  # bad keys fail either way
+        if route is None:
+            return False
         return self._save(tenant, ckeys, chunks, self._parent(tenant, salt, parent_key)) == len(keys)
 
     def exists(self, key: str, *, extra_info=None) -> bool:
@@ -273,9 +289,10 @@ class KVPoolStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """How many leading pages of ``keys`` the pool holds."""
         self._need_pool()
-        tenant, salt, _ = call_context(extra_info, self.tenant)
-        ckeys = self.chunk_keys(keys, tenant, salt)
-        if not ckeys:
+        route, salt, _ = self._context(extra_info)
+        tenant = route.pool_as if route else None
+        ckeys = self.chunk_keys(keys, tenant, salt)  # bad keys fail either way
+        if not ckeys or route is None:
             return 0
         try:
             return self.pool.lookup(tenant, ckeys) // self.page_size
@@ -296,8 +313,9 @@ class KVPoolStorage(HiCacheStorage):
         """Loads the leading run of pages straight into the host pool at ``host_indices``; a True per
         page loaded."""
         slots = self._host_slots(keys, host_indices)
-        tenant, salt, _ = call_context(extra_info, self.tenant)
-        chunks = self._load(tenant, self.chunk_keys(keys, tenant, salt))
+        route, salt, _ = self._context(extra_info)
+        ckeys = self.chunk_keys(keys, route.pool_as if route else None, salt)  # bad keys fail either way
+        chunks = self._load(route.pool_as, ckeys) if route else []
         self._pages.write(chunks, slots)
         n = len(chunks)
         return [True] * n + [False] * (len(keys) - n)
@@ -308,8 +326,11 @@ class KVPoolStorage(HiCacheStorage):
         slots = self._host_slots(keys, host_indices)
         if not keys:
             return []
-        tenant, salt, parent_key = call_context(extra_info, self.tenant)
-        ckeys = self.chunk_keys(keys, tenant, salt)
+        route, salt, parent_key = self._context(extra_info)
+        tenant = route.pool_as if route else None
+        ckeys = self.chunk_keys(keys, tenant, salt)  # bad keys fail either way
+        if route is None:
+            return [False] * len(keys)
         chunks = self._pages.read(slots)
         resident = self._save(tenant, ckeys, chunks, self._parent(tenant, salt, parent_key))
         return [i < resident for i in range(len(keys))]
@@ -324,7 +345,7 @@ class KVPoolStorage(HiCacheStorage):
 
     def stats(self) -> dict:
         """Counters of this backend and its measured load bandwidth."""
-        return {**self._counts, "tenant": self.tenant, "page_size": self.page_size,
+        return {**self._counts, **self.tenancy.stats(), "tenant": self.tenant, "page_size": self.page_size,
                 "layout": None if self._pages is None else self._pages.layout.variant, **self.breakeven.stats()}
 
     def get_stats(self):

@@ -16,14 +16,17 @@ NOTE: cross-engine sharing does not reach this path: vLLM and transformers chunk
 tokens, SGLang pages over SGLang's hashes, so the same prompt lands in two key spaces. Sharing
 between SGLang instances (of one model, dtype, page size and sharding) works.
 
-Tenants. The tenant is the config's ``tenant`` (default: the first of ``tenants``), or
-``extra_info.extra_info["tenant"]`` when a call carries one. ``extra_info.extra_info["extra_key"]``
-and ``["cache_salt"]`` enter the namespace too. SGLang 0.5.23 passes neither to backends (its
-``HiCacheStorageExtraInfo.extra_info`` is only filled by Mooncake's session linker); it folds the
-salt into the page hashes instead, so salted requests already arrive with disjoint keys. Taking
-the salt into the namespace when it is given closes the hole where a path drops it from the hash
-(tenants would then share pages): the same page key under two salts, or under two tenants, never
-names the same chunk, and the store additionally refuses to show one tenant's chunk to another.
+Tenants. A call is served as the tenant whose request secret is
+``extra_info.extra_info["kvpool_secret"]`` (:mod:`kvpool.connectors.tenancy`), as the config's
+``tenant`` (default: the first of ``tenants``) when it carries none, and not cached at all when its
+secret is nobody's. A ``"tenant"`` name in the extra info is ignored (counted). ``extra_key`` and
+``cache_salt`` enter the namespace too. SGLang 0.5.23 passes none of them to backends (its
+``HiCacheStorageExtraInfo.extra_info`` is only filled by Mooncake's session linker), so a stock
+SGLang server serves every request as the default tenant; it folds the salt into the page hashes
+instead, so salted requests already arrive with disjoint keys. Taking the salt into the namespace
+when it is given closes the hole where a path drops it from the hash (tenants would then share
+pages): the same page key under two salts, or under two tenants, never names the same chunk, and
+the store additionally refuses to show one tenant's chunk to another.
 """
 
 from __future__ import annotations
@@ -63,15 +66,19 @@ def model_identity(model_name: str, given: str | None) -> tuple[str, tuple[str, 
     return weights, kinds, engine_scope(config, "sglang")
 
 
-def call_context(extra_info, default_tenant: str) -> tuple[str, tuple[str, ...], Optional[str]]:
-    """(tenant, salt parts, parent page key) of a call carrying SGLang's ``extra_info``."""
+PARAM_SECRET = "kvpool_secret"  # the request secret in extra_info.extra_info
+PARAM_TENANT = "tenant"  # a tenant name there: the old way, ignored
+
+
+def call_context(extra_info) -> tuple[object, object, tuple[str, ...], Optional[str]]:
+    """(request secret, tenant name given, salt parts, parent page key) of a call carrying SGLang's
+    ``extra_info``; the secret is routed by :class:`kvpool.connectors.tenancy.Tenancy`."""
     info = getattr(extra_info, "extra_info", None) or {}
     if not isinstance(info, dict):
         raise BadRequest(f"extra_info.extra_info must be a dict, got {type(info).__name__}")
-    tenant = info.get("tenant") or default_tenant
     salt = tuple(f"{name}:{info[name]}" for name in ("extra_key", "cache_salt") if info.get(name) is not None)
     prefix = getattr(extra_info, "prefix_keys", None)
-    return tenant, salt, (prefix[-1] if prefix else None)
+    return info.get(PARAM_SECRET), info.get(PARAM_TENANT), salt, (prefix[-1] if prefix else None)
 
 
 class PageKeys:

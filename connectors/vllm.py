@@ -30,10 +30,19 @@ Lifecycle, per request:
   completed and saves it. A step whose load failed saves nothing for that request (its
   forward read blocks that were never filled); the recompute's step saves them.
 
-Tenants: a request's tenant is ``kv_transfer_params["kvpool_tenant"]`` when set (it must be one
-of the config's ``tenants``), else the config's ``tenant`` (default ``"default"``). A request's
-``cache_salt`` goes into the key namespace, so two salts never hit each other's chunks even
-within one tenant. LoRA adapters and multimodal inputs enter the namespace too.
+Tenants: a request is served as the tenant whose request secret is its ``cache_salt`` (vLLM's own
+field; the OpenAI server takes ``"cache_salt"`` in the request body), through the map
+:mod:`kvpool.connectors.tenancy` builds from the config (each tenant's ``request_secret``, or the
+one derived from its credential). No ``cache_salt``: the config's ``tenant`` (default
+``"default"``). A ``cache_salt`` that is no tenant's secret: the request is not cached by the pool
+at all (``rejected_credential``). A tenant named in ``kv_transfer_params["kvpool_tenant"]`` (the
+old way) is ignored (``ignored_tenant_name``). Since vLLM salts its own prefix cache with
+``cache_salt``, its local prefix cache is kept apart per tenant by the same secret.
+The ``cache_salt`` itself no longer enters the key namespace: a secret names exactly one tenant,
+whose namespace already keeps its chunks apart, so the salt would add no isolation; leaving it
+out lets a tenant's chunks be shared with its other engines (transformers, another vLLM) and
+survive a rotation of its request secret, and keeps the secret out of every key. LoRA adapters
+and multimodal inputs enter the namespace.
 
 NOTE: loads and saves are synchronous and whole-forward (not layer by layer): on CPU there is
 nothing to overlap with, and it keeps a failed load from ever racing a forward. The layer-wise
@@ -54,15 +63,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
 from kvpool.connectors.pools import open_pool, spec_for
-from kvpool.connectors.vllm_meta import (
-    PARAM_TENANT,
-    PoolStepMeta,
-    PoolWorkerMeta,
-    ReqStep,
-    salt_key,
-    split_config,
-    tenant_ids,
-)
+from kvpool.connectors.tenancy import Tenancy
+from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, split_config
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.connectors.weights import weights_of_folder
 from kvpool.errors import BadRequest
@@ -97,7 +99,7 @@ CPU_UNRELIABLE = {"GPTNeoXForCausalLM": "GPT-NeoX"}
 class _Plan:
     """What the scheduler knows of one request (from its lookup)."""
 
-    tenant: str | None  # None: the request is not cached (no token ids, or a tenant not allowed)
+    tenant: str | None  # what the pool is passed (credential or id); None: not cached (no token ids, no tenant)
     keys: list
     prompt_len: int
     pool_chunks: int = 0  # leading chunks the pool held at the last lookup
@@ -115,12 +117,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         xfer = self._kv_transfer_config
         pool_config, own = split_config(xfer.kv_connector_extra_config)
-        allowed = tenant_ids(pool_config)
+        # The scheduler routes requests to tenants; the worker takes what the scheduler sends.
+        self.tenancy = (Tenancy(pool_config, fallback="default", engine="KVPoolConnector")
+                        if role == KVConnectorRole.SCHEDULER else None)
         self.tenant = pool_config.get("tenant", "default")
-        if self.tenant not in allowed:
-            raise BadRequest(f"KVPoolConnector: tenant {self.tenant!r} is not one of the pool's tenants {allowed}; "
-                             "add it to kv_connector_extra_config['tenants']")
-        self.allowed_tenants = set(allowed)
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = int(pool_config.get("chunk_tokens", 256))
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
@@ -132,6 +132,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             # NOTE: each rank holds a slice of the heads/layers; keying the slices apart (and looking
             # up every rank's keys) is future work. Refuse rather than mix slices under one key.
             raise BadRequest("KVPoolConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+        if pool_config.get("backend", "local") == "local" and par.distributed_executor_backend not in ("uni", None):
+            # NOTE: a local pool lives in one process; vLLM's CPU build runs its worker in a process
+            # of its own (executor "mp") unless told otherwise, and the scheduler would then never
+            # see what the worker saves.
+            raise BadRequest(f"KVPoolConnector: a 'local' pool is in-process, but vLLM runs its worker apart from "
+                             f"the scheduler (distributed_executor_backend={par.distributed_executor_backend!r}): "
+                             "use --distributed-executor-backend uni (with VLLM_ENABLE_V1_MULTIPROCESSING=0 on "
+                             "vLLM's CPU build), or backend 'ray'")
         if xfer.kv_load_failure_policy != "recompute":
             # NOTE: a pool is a cache: a chunk that fails to load is a miss and vLLM recomputes it
             # (DESIGN: any failure on the read path is a miss). The scheduler reads this after
@@ -198,7 +206,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def stats(self) -> dict[str, Any]:
         """Counters (scheduler side; the worker's arrive with each step's output) and the
         measured load-or-recompute figures."""
-        return {**self.counters, "breakeven": self.breakeven.stats()}
+        tenancy = self.tenancy.stats() if self.tenancy is not None else {}
+        return {**self.counters, **tenancy, "breakeven": self.breakeven.stats()}
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -208,23 +217,18 @@ class KVPoolConnector(KVConnectorBase_V1):
         plan = self._plans.get(request.request_id)
         if plan is not None and plan.prompt_len == n:
             return plan
-        params = request.kv_transfer_params or {}
-        tenant = params.get(PARAM_TENANT) or self.tenant
+        params = request.kv_transfer_params
+        named = params.get(PARAM_TENANT) if isinstance(params, dict) else None
+        route = self.tenancy.route(request.cache_salt, named, request.request_id)
         whole = n // self.chunk_tokens
-        if prompt is None or request.prompt_embeds is not None or whole == 0:
-            plan = _Plan(None, [], n)
-        elif tenant not in self.allowed_tenants:
-            log.warning("KVPoolConnector: request %s names tenant %r, not one of %s: not cached",
-                        request.request_id, tenant, sorted(self.allowed_tenants))
-            self._count("rejected_tenant")
-            plan = _Plan(None, [], n)
+        if route is None or prompt is None or request.prompt_embeds is not None or whole == 0:
+            plan = _Plan(None, [], n)  # no tenant (a secret that is nobody's), or nothing to key
         else:
             extra = [f"mm:{f.identifier}" for f in (request.mm_features or [])]
-            if request.cache_salt:
-                extra.insert(0, salt_key(request.cache_salt))
             adapter = request.lora_request.lora_name if request.lora_request is not None else ""
-            keys = self.pool.keys(tenant, prompt[: whole * self.chunk_tokens], adapter_id=adapter, extra_keys=extra)
-            plan = _Plan(tenant, keys, n)
+            keys = self.pool.keys(route.pool_as, prompt[: whole * self.chunk_tokens], adapter_id=adapter,
+                                  extra_keys=extra)
+            plan = _Plan(route.pool_as, keys, n)
         self._plans[request.request_id] = plan
         return plan
 

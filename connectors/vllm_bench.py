@@ -97,8 +97,8 @@ def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 2
     """Cold, warm-from-pool (fresh engine) and vLLM-native-hit TTFT of one context; see the module
     docstring. ``model`` is a local model directory or name vLLM can load without a tokenizer.
 
-    ``repeats`` > 1 measures each case that many times (every repetition under its own
-    ``cache_salt``, so its cold run is cold for vLLM and for the pool) and reports medians: on a
+    ``repeats`` > 1 measures each case that many times (every repetition as a tenant of its own,
+    sending its request secret as ``cache_salt``, so its cold run is cold for vLLM and for the pool) and reports medians: on a
     shared machine single runs vary several-fold. Engine arguments (``max_model_len``, ...) pass
     through to ``vllm.LLM``."""
     import numpy as np
@@ -106,12 +106,15 @@ def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 2
     n = len(context_tokens)
     if n <= chunk_tokens:
         raise BadRequest(f"the context has {n} tokens; measure_ttft needs more than one chunk ({chunk_tokens})")
+    # NOTE: a cache_salt is a tenant's request secret (kvpool.connectors.tenancy): each repetition
+    # is a tenant of its own, so its cold run is cold for vLLM and for the pool.
+    salts = [f"kvpool-ttft-repeat-{i}" for i in range(max(1, repeats))]
     pool = {"backend": "local", "pool": f"ttft-{uuid.uuid4().hex[:8]}", "chunk_tokens": chunk_tokens,
-            "dram_mib": dram_mib}
+            "dram_mib": dram_mib,
+            "tenants": ["default", *({"id": f"ttft-{i}", "request_secret": s} for i, s in enumerate(salts))]}
     rng = np.random.default_rng(seed)
     warmups = [[int(t) for t in rng.integers(3, max(max(context_tokens) + 1, 4), n)] for _ in range(2)]
     max_len = engine_args.pop("max_model_len", None) or max(2048, n + 16)
-    salts = [f"ttft-{i}" for i in range(max(1, repeats))]
     cold, native, warm = [], [], []
 
     t0 = time.perf_counter()

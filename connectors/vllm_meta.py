@@ -10,7 +10,6 @@ picklable dataclasses: vLLM ships them between processes when it runs multiproce
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,8 @@ CONNECTOR_KEYS = {
     "breakeven_margin",  # > 1 favours recomputing on ties (BreakEven.margin)
 }
 
-# Keys a request may set in its kv_transfer_params.
+# A tenant name in a request's kv_transfer_params: no longer honoured (a request's tenant comes from
+# its cache_salt, kvpool.connectors.tenancy), only detected, counted and logged.
 PARAM_TENANT = "kvpool_tenant"
 
 
@@ -46,7 +46,7 @@ class ReqStep:
     block_ids: list[int] = field(default_factory=list)
     replace_blocks: bool = False  # a new or resumed request: block_ids is the whole list
     keys: list[Any] | None = None
-    tenant: str | None = None
+    tenant: str | None = None  # what the pool is passed: the tenant's credential (secured pool) or id
     pool_chunks: int = 0  # leading chunks the pool held at lookup (not saved again)
     load: tuple[int, int] | None = None  # token range [lo, hi) to load from the pool this step
 
@@ -90,16 +90,6 @@ def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str
     own = {k: extra.pop(k) for k in list(extra) if k in CONNECTOR_KEYS}
     check_config(extra)
     return extra, own
-
-
-def tenant_ids(pool_config: dict[str, Any]) -> list[str]:
-    return [t if isinstance(t, str) else t["id"] for t in check_config(pool_config)["tenants"]]
-
-
-def salt_key(cache_salt: str) -> str:
-    """The namespace entry for a vLLM ``cache_salt``: its digest, so a long salt fits and the
-    salt itself never appears in pool metadata."""
-    return "vllm-cache-salt:" + hashlib.sha256(cache_salt.encode()).hexdigest()
 
 
 def cdiv(a: int, b: int) -> int:

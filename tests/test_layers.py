@@ -12,7 +12,7 @@ import kvpool
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ["ray", "transformers", "vllm", "sglang"]
 # connectors/ modules that any engine's connector uses, so none may pull an engine in
-NEUTRAL = ["kvpool.connectors.pools", "kvpool.connectors.breakeven", "kvpool.connectors.weights",
+NEUTRAL = ["kvpool.connectors.pools", "kvpool.connectors.tenancy", "kvpool.connectors.breakeven", "kvpool.connectors.weights",
            "kvpool.connectors.families", "kvpool.connectors.bench_weights"]
 
 

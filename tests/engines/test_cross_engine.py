@@ -31,7 +31,9 @@ from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutd
 
 CHUNK = 64  # two vLLM blocks of 32
 MODEL_ID = "kvpool-tests/tiny-llama-seed0"
-POOL = {"backend": "local", "pool": "cross-engine", "chunk_tokens": CHUNK, "dram_mib": 64}
+COLD_SECRET = "cross-engine-cold-tenant"  # the request secret (vLLM cache_salt) of tenant "cold"
+POOL = {"backend": "local", "pool": "cross-engine", "chunk_tokens": CHUNK, "dram_mib": 64,
+        "tenants": ["default", {"id": "cold", "request_secret": COLD_SECRET}]}
 MAX_TOKENS = 6
 # NOTE: transformers and vLLM compute the same fp32 KV with different kernels (agreeing to ~1e-3,
 # see test_vllm.py's canonical-KV test), so log-probs after a cross-engine load agree closely
@@ -118,7 +120,7 @@ def test_vllm_loads_what_transformers_saved(engines):
     assert warm[3].get("saved_chunks", 0) == 0  # vLLM wrote nothing for those chunks
     assert warm[3].get("load_failures", 0) == 0
 
-    cold = engines.vllm(prompt, salt="cold")  # another namespace: nothing to load
+    cold = engines.vllm(prompt, salt=COLD_SECRET)  # another tenant: nothing to load
     assert cold[3].get("matched_tokens", 0) == 0 and cold[2] == 0 and cold[3].get("saved_chunks") == 4
     assert warm[0] == cold[0] == want_tokens, (warm[0], cold[0], want_tokens)
     assert close_logprobs(warm[1], cold[1]), (warm[1], cold[1])
@@ -146,7 +148,7 @@ def test_wrong_chunks_in_the_pool_change_vllm_output(engines):
     """Negative control: chunks under the prompt's keys that transformers did not compute (valid
     checksums, random KV) change vLLM's output, so the agreement above comes from the loaded KV."""
     prompt = random_prompt(300, seed=23)
-    ref = engines.vllm(prompt, salt="reference")
+    ref = engines.vllm(prompt, salt="no-tenant-secret")  # nobody's secret: not cached, computed cold
     pool = engines.hf.pool
     keys = pool.keys("default", prompt[: 4 * CHUNK])
     g = torch.Generator().manual_seed(0)

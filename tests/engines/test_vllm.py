@@ -29,8 +29,12 @@ from kvpool.connectors.vllm_bench import (  # noqa: E402
 from kvpool.errors import BadRequest  # noqa: E402
 
 CHUNK = 64  # two vLLM blocks of 32
+B_SECRET = "tenant-b-request-secret-0001"  # what b's API users send as cache_salt
 POOL = {"backend": "local", "pool": "test-vllm", "chunk_tokens": CHUNK, "dram_mib": 64,
-        "tenants": ["default", "b"]}
+        "tenants": ["default", {"id": "b", "request_secret": B_SECRET}]}
+# A cache_salt that is no tenant's request secret: the request is not cached by the pool at all
+# (and vLLM's own prefix cache is off here), so it computes everything: a cold reference.
+UNCACHED = "not-a-tenant-secret"
 MAX_TOKENS = 6
 
 
@@ -48,7 +52,8 @@ class Engine:
 
     def run(self, tokens, salt=None, tenant=None):
         """(token ids, log-probs of the sampled tokens, vLLM's num_cached_tokens, connector
-        counters gained by this request)."""
+        counters gained by this request). ``salt``: the request's cache_salt (a tenant's request
+        secret); ``tenant``: a tenant name in kv_transfer_params (ignored by the connector)."""
         return self.run_batch([tokens], salt=salt, tenant=tenant)[0]
 
     def run_batch(self, prompts, salt=None, tenant=None):
@@ -107,7 +112,7 @@ def test_second_run_loads_prefix_and_matches(engine):
 
 def test_batch_mixes_hits_and_misses(engine):
     hot, cold_only = random_prompt(300, seed=10), random_prompt(200, seed=11)
-    ref_hot, ref_cold = engine.run(hot, salt="ref"), engine.run(cold_only, salt="ref")
+    ref_hot, ref_cold = engine.run(hot, salt=UNCACHED), engine.run(cold_only, salt=UNCACHED)
     engine.run(hot)  # into the default namespace
     got = engine.run_batch([hot, cold_only, hot[:130]])
     gained = got[0][3]
@@ -152,7 +157,7 @@ def test_loaded_kv_is_what_the_model_reads(engine):
     """Negative control: chunks with valid checksums but wrong KV, planted under the prompt's keys,
     change the output. So equal outputs above do come from the loaded KV, not a recompute."""
     prompt = random_prompt(300, seed=3)
-    ref = engine.run(prompt, salt="reference")  # cold, in another namespace
+    ref = engine.run(prompt, salt=UNCACHED)  # cold
     pool, spec = engine.conn.pool, engine.conn.spec
     keys = pool.keys("default", prompt[: 4 * CHUNK])
     g = torch.Generator().manual_seed(0)
@@ -168,7 +173,7 @@ def test_failed_load_recomputes_and_reports_blocks(engine):
     prompt = random_prompt(300, seed=4)
     cold = engine.run(prompt)
     store = engine.conn.pool.store
-    keys = engine.conn.pool.keys("default", prompt[: 4 * CHUNK])
+    keys = engine.conn.pool.addresses("default", engine.conn.pool.keys("default", prompt[: 4 * CHUNK]))
     tier, page = store.locate(keys[1])
     store.slab(tier).page(page)[:64] ^= 0xFF  # chunk 1's bytes no longer match its checksum
     reported = len(engine.worker.worker.failed_history)
@@ -186,20 +191,31 @@ def test_failed_load_recomputes_and_reports_blocks(engine):
 
 
 def test_tenants_never_hit_each_other(engine):
+    """A request's tenant is the one whose request secret is its cache_salt; a tenant it names in
+    kv_transfer_params is ignored, and a salt that is nobody's secret is not cached at all."""
     prompt = random_prompt(300, seed=5)
-    alice = engine.run(prompt, salt="alice")
-    assert alice[3].get("saved_chunks") == 4
-    for kw in ({"salt": "bob"}, {"tenant": "b"}, {}):
-        other = engine.run(prompt, **kw)
-        assert other[3].get("matched_tokens", 0) == 0 and other[2] == 0, kw
-        assert other[3].get("saved_chunks") == 4, kw  # each namespace keeps its own copy
-        assert_same(alice, other)
-    assert engine.run(prompt, salt="alice")[3].get("matched_tokens") == 256
-    assert engine.run(prompt, tenant="b")[3].get("matched_tokens") == 256
-    stranger = engine.run(prompt, tenant="mallory")  # not a configured tenant: not cached at all
-    assert stranger[3].get("rejected_tenant") == 1 and stranger[3].get("matched_tokens", 0) == 0
-    assert stranger[3].get("saved_chunks", 0) == 0
-    assert_same(alice, stranger)
+    b = engine.run(prompt, salt=B_SECRET)
+    assert b[3].get("saved_chunks") == 4
+    default = engine.run(prompt)  # no salt: the default tenant, which holds nothing of b's
+    assert default[3].get("matched_tokens", 0) == 0 and default[2] == 0
+    assert default[3].get("saved_chunks") == 4  # each namespace keeps its own copy
+    assert_same(b, default)
+    assert engine.run(prompt, salt=B_SECRET)[3].get("matched_tokens") == 256
+    for salt in ("b", UNCACHED, B_SECRET[:-1]):  # b's name, a made-up salt, a near miss: nobody's secret
+        stranger = engine.run(prompt, salt=salt)
+        g = stranger[3]
+        assert g.get("rejected_credential") == 1 and g.get("matched_tokens", 0) == 0 and stranger[2] == 0, salt
+        assert g.get("saved_chunks", 0) == 0 and g.get("requests", 0) == 0, salt  # not cached at all
+        assert_same(b, stranger)
+    # naming b in kv_transfer_params is ignored: the request is the default tenant's, and what it
+    # saves lands there, not in b's namespace
+    fresh = random_prompt(300, seed=9)
+    named = engine.run(fresh, tenant="b")
+    assert named[3].get("ignored_tenant_name") == 1 and named[3].get("saved_chunks") == 4
+    assert engine.run(fresh)[3].get("matched_tokens") == 256
+    b_fresh = engine.run(fresh, salt=B_SECRET)
+    assert b_fresh[3].get("matched_tokens", 0) == 0 and b_fresh[3].get("saved_chunks") == 4
+    assert_same(named, b_fresh)
 
 
 def test_breakeven_recomputes_when_loading_is_slower(engine):

@@ -84,7 +84,7 @@ def test_vllm_loads_give_the_tokens_of_recomputing(tmp_path_factory, family):
         warm_tokens, warm_lps, warm_loaded = generate(llm, own)
         assert (cold_loaded, warm_loaded) == (0, N // CHUNK * CHUNK)
         assert warm_tokens == cold_tokens and warm_lps == cold_lps  # bit for bit
-        ref_tokens, ref_lps, _ = generate(llm, shared, salt="recompute")  # another namespace: cold
+        ref_tokens, ref_lps, _ = generate(llm, shared, salt="recompute")  # nobody's secret: not cached, cold
         tokens, lps, loaded = generate(llm, shared)
         if model.config.architectures[0] in CROSS_ENGINE:
             assert spec.fingerprint() == hf.spec.fingerprint() and loaded == N // CHUNK * CHUNK

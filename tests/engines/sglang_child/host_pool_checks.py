@@ -223,8 +223,8 @@ def test_bad_input(layout):
         (lambda: backend.batch_set_v1(keys, slots([1])), "need 8 host indices, got 4"),
         (lambda: backend.batch_get_v1(keys, slots([1, 2]).float()), "1-D integer tensor"),
         (lambda: backend.batch_set_v1(keys, slots([1, 500])), "out of range"),
-        (lambda: backend.batch_exists(keys, HiCacheStorageExtraInfo(extra_info={"tenant": "mallory"})),
-         "unknown tenant"),
+        (lambda: backend.batch_exists(keys, HiCacheStorageExtraInfo(extra_info=["kvpool_secret"])),
+         "must be a dict"),
     ]
     for call, match in expect:
         try:
@@ -277,21 +277,68 @@ def test_tenant_isolation_salt_in_extra_info():
     assert backend.get(keys[0]) is None and backend.get(keys[0], extra_info=salted["A"]) is not None
 
 
+BOB_SECRET = "bob-request-secret-0123"
+
+
 def test_tenant_isolation_tenants():
     host = make_host("page_first")
-    tenants = ["alice", "bob"]
+    tenants = ["alice", {"id": "bob", "request_secret": BOB_SECRET}]
     alice = make_backend(host, "t", tenants=tenants, tenant="alice")
     bob = make_backend(host, "t", tenants=tenants, tenant="bob")
     keys = page_keys(2)
     assert alice.batch_set_v1(keys, slots([1, 2])) == [True, True]
     assert alice.batch_exists(keys) == 2
     assert bob.batch_exists(keys) == 0 and bob.batch_get_v1(keys, slots([3, 4])) == [False, False]
-    as_bob = HiCacheStorageExtraInfo(extra_info={"tenant": "bob"})
-    assert alice.batch_exists(keys, as_bob) == 0
+    as_bob = HiCacheStorageExtraInfo(extra_info={"kvpool_secret": BOB_SECRET})
+    assert alice.batch_exists(keys, as_bob) == 0  # bob's secret: bob's namespace, through alice's backend too
     # the same key under another tenant is another chunk; the pool keeps both
-    assert bob.batch_set_v1(keys, slots([5, 6])) == [True, True]
-    assert alice.batch_get_v1(keys, slots([7, 8])) == [True, True]
+    assert alice.batch_set_v1(keys, slots([5, 6]), as_bob) == [True, True]
+    assert bob.batch_exists(keys) == 2 and alice.batch_get_v1(keys, slots([7, 8])) == [True, True]
     assert same(page_bytes(host, 7), page_bytes(host, 1)) and not same(page_bytes(host, 7), page_bytes(host, 5))
+
+
+def test_requests_name_no_tenant_and_unknown_secrets_are_not_cached():
+    host = make_host("page_first")
+    tenants = ["alice", {"id": "bob", "request_secret": BOB_SECRET}]
+    backend = make_backend(host, "n", tenants=tenants, tenant="alice")
+    keys, other = page_keys(2), page_keys(2, start=10)
+    as_bob = HiCacheStorageExtraInfo(extra_info={"kvpool_secret": BOB_SECRET})
+    assert backend.batch_set_v1(keys, slots([1, 2]), as_bob) == [True, True]
+    # naming bob is ignored: the call is alice's (the default), which holds nothing of bob's
+    named = HiCacheStorageExtraInfo(extra_info={"tenant": "bob"})
+    assert backend.batch_exists(keys, named) == 0 and backend.batch_get_v1(keys, slots([3, 4]), named) == [False] * 2
+    assert backend.batch_set_v1(other, slots([5, 6]), named) == [True, True]  # written as alice
+    assert backend.batch_exists(other) == 2 and backend.batch_exists(other, as_bob) == 0
+    # a secret that is nobody's (a guess, bob's name): not cached at all, neither read nor written
+    for guess in ("bob", BOB_SECRET[:-1] + "x"):
+        wrong = HiCacheStorageExtraInfo(extra_info={"kvpool_secret": guess})
+        assert backend.batch_exists(keys, wrong) == 0 and backend.get(keys[0], extra_info=wrong) is None
+        assert backend.batch_get_v1(keys, slots([3, 4]), wrong) == [False, False]
+        fresh = page_keys(2, start=20)
+        assert backend.batch_set_v1(fresh, slots([7, 8]), wrong) == [False, False]
+        assert backend.batch_set(fresh, [host.get_data_page(7 * PAGE), host.get_data_page(8 * PAGE)],
+                                 extra_info=wrong) is False
+        assert backend.batch_exists(fresh) == 0 and backend.batch_exists(fresh, as_bob) == 0
+    st = backend.stats()
+    assert st["ignored_tenant_name"] == 3 and st["rejected_credential"] == 2 * 5  # five calls per guess
+    assert BOB_SECRET not in str(st)
+
+
+def test_a_secured_pool_serves_the_request_secrets_of_credentials(tmp_path):
+    from kvpool.auth import Authority, new_secret, request_secret
+
+    secret = new_secret()
+    (tmp_path / "secret").write_text(secret)
+    auth = Authority(secret)
+    host = make_host("page_first")
+    backend = make_backend(host, "sec", tenants=["alice", "bob"], tenant="alice", secret_file=str(tmp_path / "secret"))
+    assert backend.pool.auth.secured and backend.tenancy.default.pool_as == auth.issue("alice")
+    keys = page_keys(2)
+    as_bob = HiCacheStorageExtraInfo(extra_info={"kvpool_secret": request_secret(auth.issue("bob"))})
+    assert backend.batch_set_v1(keys, slots([1, 2]), as_bob) == [True, True]
+    assert backend.batch_exists(keys, as_bob) == 2 and backend.batch_exists(keys) == 0
+    forged = HiCacheStorageExtraInfo(extra_info={"kvpool_secret": request_secret(Authority(new_secret()).issue("bob"))})
+    assert backend.batch_exists(keys, forged) == 0 and backend.stats()["rejected_credential"] == 1
 
 
 def test_tenant_isolation_sglang_salted_hashes():
@@ -356,7 +403,7 @@ def test_failures_are_misses_or_false():
     keys = page_keys(2, start=20)
     assert backend.batch_set_v1(keys, slots([1, 2])) == [True, True]
     store = backend.pool.store
-    tier, page = store.locate(backend.chunk_keys(keys)[1])
+    tier, page = store.locate(backend.pool.addresses(backend.tenant, backend.chunk_keys(keys))[1])
     store.slab(tier).page(page)[7] ^= 0x10
     before = host.kv_buffer.clone()
     assert backend.batch_get_v1(keys, slots([8, 9])) == [True, False]
