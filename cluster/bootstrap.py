@@ -28,6 +28,14 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
     ``secret``: the pool secret (kvpool.auth), given to the pool's actors in their environment; by
     default this process's (``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET``), and without one the
     pool is open (any caller may act as any tenant: loopback tests and demos only)."""
+    if index_url:  # a dead Redis is a typed 503 naming it, before any actor starts
+        from kvpool.index import open_index
+
+        idx = open_index(index_url)
+        try:
+            idx.check(min(timeout_s, 3.0))
+        finally:
+            idx.close()
     auth = Authority(secret) if secret is not None else Authority.from_env()
     env = {"runtime_env": {"env_vars": auth.secret_env()}} if auth.secured else {}
     store = store or {"page_bytes": 32 << 20, "dram_pages": 16}
@@ -39,7 +47,8 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
         IndexActor.options(name=INDEX_ACTOR, namespace=namespace, get_if_exists=True, lifetime="detached",
                            scheduling_strategy=here, **env).remote()
     controller = Controller.options(name=CONTROLLER, namespace=namespace, get_if_exists=True, lifetime="detached",
-                                    scheduling_strategy=here, **env).remote(pool, index_url, controller_interval_s)
+                                    scheduling_strategy=here, **env).remote(pool, index_url, controller_interval_s,
+                                                                            grace_s=max(2 * ttl_s, 2 * controller_interval_s))
     known = ray.get(controller.state.remote(), timeout=timeout_s)["shards"]
     started = []
     for node in ray.nodes():

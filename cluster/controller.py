@@ -2,16 +2,21 @@
 
 It never sits on the data path. Clients take the ring once and then long-poll ``wait`` for a new
 version; they do not call the controller per request. Its loop reconciles actual to target state
-every ``interval_s``: shards whose heartbeat lapsed in the index (or whose node Ray declares dead)
-leave the ring and their index entries are purged; live shards the index lists and the ring lacks
-(after the controller itself restarted) are adopted. Every step is idempotent, and the loop logs and
-survives every exception.
+every ``interval_s``: shards whose heartbeat lapsed in the index for ``grace_s`` as measured by the
+controller while the index answered (an index that does not answer is an index outage, not dead
+shards), or whose node Ray declares dead, leave the ring and their index entries are purged; live
+shards the index lists and the ring lacks (after the controller itself restarted) are adopted, and
+one it cannot reach in ``ADOPT_TRIES`` passes is purged. A dropped shard is fenced: it asks
+``member`` before rejoining the index and stops serving when the answer is "dropped". The operator
+state (quotas, priorities) it last saw is re-applied when the index comes back empty. Every step
+is idempotent, and the loop logs and survives every exception.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import ray
@@ -22,12 +27,13 @@ from kvpool.index import open_index
 
 log = logging.getLogger("kvpool.controller")
 CONTROLLER = "kvpool-controller"
+ADOPT_TRIES = 5  # passes a shard the index lists may stay unreachable before it is purged
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=32)
 class Controller:
     def __init__(self, pool: str, index_url: str | None, interval_s: float = 1.0, vnodes: int = 128,
-                 eps: float = 0.25) -> None:
+                 eps: float = 0.25, grace_s: float | None = None) -> None:
         self.pool = pool
         self.auth = Authority.from_env()  # the pool secret, from bootstrap.up or a mounted file
         self.index_url = index_url
@@ -40,6 +46,12 @@ class Controller:
         self.passes = 0
         self.errors = 0
         self._missing: dict[str, int] = {}  # passes a shard has been absent from the index
+        self.grace_s = max(2 * interval_s, 1.0) if grace_s is None else grace_s
+        self._lapsed: dict[str, float] = {}  # shard -> when an answering index first showed it lapsed
+        self._adopt_failed: dict[str, int] = {}
+        self._dropped: set[str] = set()  # shards this controller took out: fenced until registered again
+        self._operator: dict[str, tuple[int, str]] = {}  # tenant -> (quota, priority), as last seen
+        self.purged = 0
         self._reports: dict[str, dict] = {}
         self.incarnation = uuid.uuid4().hex  # a restarted controller (Ray restarts it empty) has a new one
         # NOTE: after a restart, adopt the live shards before answering anyone: a client that took
@@ -70,6 +82,7 @@ class Controller:
 
     def _register(self, shard_id: str, info: dict, weight: float = 1.0) -> int:
         with self._changed:
+            self._dropped.discard(shard_id)
             self.shards[shard_id] = info
             self.ring.add(shard_id, weight)
             self._changed.notify_all()
@@ -77,6 +90,8 @@ class Controller:
 
     def deregister(self, shard_id: str, credential: str = "") -> int:
         self.auth.require(credential, "taking a shard out of the ring")
+        with self._changed:
+            self._dropped.add(shard_id)  # fenced: it rejoins the index only when registered again
         return self._deregister(shard_id)
 
     def _deregister(self, shard_id: str) -> int:
@@ -99,6 +114,17 @@ class Controller:
         ray.kill(h)
         log.info("controller: drained shard %s (%d index entries)", shard_id, n)
         return n
+
+    def member(self, shard_id: str, incarnation: str = "") -> str:
+        """A shard's standing, asked before it rejoins the index: "member" (this incarnation is in
+        the ring), "dropped" (taken out, or another incarnation is: it must stop serving), or
+        "unknown" (this controller has not seen it yet: it may rejoin, and is adopted)."""
+        with self._changed:
+            info = self.shards.get(shard_id)
+            if info is not None:
+                theirs = info.get("incarnation")
+                return "member" if not theirs or theirs == incarnation else "dropped"
+            return "dropped" if shard_id in self._dropped else "unknown"
 
     def state(self) -> dict:
         with self._changed:
@@ -123,7 +149,8 @@ class Controller:
 
     def health(self) -> dict:
         return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),
-                "version": self.ring.version, "incarnation": self.incarnation}
+                "version": self.ring.version, "incarnation": self.incarnation, "purged": self.purged,
+                "dropped": sorted(self._dropped), "operator_state": dict(self._operator)}
 
     # ---------------------------------------------------------------- reconcile loop
     def _run(self) -> None:
@@ -135,32 +162,75 @@ class Controller:
                 log.exception("controller: reconcile pass failed; will retry")
 
     def reconcile_once(self) -> list[str]:
-        """Drops shards that are dead (index heartbeat lapsed, or their node is dead) from the
-        ring and purges their index entries. Returns the shards dropped."""
+        """Drops shards that are dead (index heartbeat lapsed for ``grace_s``, or their node is
+        dead) from the ring and purges their index entries. Returns the shards dropped."""
         idx = self._idx()
-        alive = idx.shards()
+        try:
+            alive = idx.shards()
+        except Exception:
+            self._lapsed.clear()  # an outage: heartbeats lapse while nobody can write them
+            raise
+        now = time.monotonic()
+        for s in [s for s in self._lapsed if alive.get(s) is not False]:
+            del self._lapsed[s]
+        for s, live in alive.items():
+            if not live:
+                self._lapsed.setdefault(s, now)
         dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
         gone = []
         for s, info in list(self.shards.items()):
             # Absent from the index (e.g. Redis restarted empty): the shard re-registers at its next
             # heartbeat, so only a long absence counts as death.
             self._missing[s] = self._missing.get(s, 0) + 1 if s not in alive else 0
-            if alive.get(s) is False or self._missing[s] > 5 or info.get("node_id") in dead_nodes:
+            if self._missing[s] > 5 or info.get("node_id") in dead_nodes or self._lapsed_long(s, now):
                 gone.append(s)
         for s in gone:
             log.warning("controller: shard %s is dead; removing it from the ring", s)
-            self._deregister(s)
-            self._missing.pop(s, None)
-        self._adopt(alive)
-        purged = idx.purge_dead()
-        if purged:
-            log.info("controller: purged index entries of dead shards %s", purged)
+            self._drop(idx, s)
+        for s in [s for s in alive if s not in self.shards and self._lapsed_long(s, now)]:
+            self._drop(idx, s)  # listed, not ours, and its heartbeat lapsed long ago
+        self._adopt(alive, idx, dead_nodes)
+        self._keep_operator_state(idx)
         self.passes += 1
         return gone
 
-    def _adopt(self, alive: dict[str, bool]) -> None:
+    def _lapsed_long(self, s: str, now: float) -> bool:
+        since = self._lapsed.get(s)
+        return since is not None and now - since >= self.grace_s
+
+    def _drop(self, idx, s: str) -> None:
+        self._deregister(s)
+        with self._changed:
+            self._dropped.add(s)
+        self._missing.pop(s, None)
+        self._lapsed.pop(s, None)
+        self._adopt_failed.pop(s, None)
+        n = idx.forget_shard(s)
+        self.purged += n
+        log.info("controller: purged shard %s from the index (%d entries)", s, n)
+
+    def _keep_operator_state(self, idx) -> None:
+        """Remembers the tenants' quotas and priorities; an index without this controller's epoch
+        restarted empty (or was flushed): the operator state comes back from memory."""
+        if idx.epoch() is not None:
+            self._operator = {t.id: (t.quota, t.priority) for t in idx.tenants()}
+            return
+        from kvpool.errors import Forbidden
+
+        for tenant, (quota, priority) in self._operator.items():
+            try:
+                idx.add_tenant(tenant, quota, priority)
+            except Forbidden as e:
+                log.error("controller: cannot restore tenant %s's quota and priority (%s)", tenant, e)
+        if self._operator:
+            log.warning("controller: the index came back empty; restored %d tenants' quotas and priorities",
+                        len(self._operator))
+        idx.set_epoch(self.incarnation)
+
+    def _adopt(self, alive: dict[str, bool], idx=None, dead_nodes=frozenset()) -> None:
         """Live shards the index knows and the ring does not: after this controller restarted
-        (Ray restarts it empty) its membership comes back from the index within one pass."""
+        (Ray restarts it empty) its membership comes back from the index within one pass. One it
+        cannot reach in ADOPT_TRIES passes, or on a dead node, is purged (a zombie)."""
         from kvpool.cluster.shard import shard_name
 
         for s, live in alive.items():
@@ -169,8 +239,14 @@ class Controller:
             try:
                 h = ray.get_actor(shard_name(self.pool, s))
                 info = ray.get(h.info.remote(), timeout=max(self.interval_s * 5, 5.0))
+                if info.get("node_id") in dead_nodes:
+                    raise RuntimeError("its node is dead")
             except Exception as e:  # noqa: BLE001 - not reachable now: maybe next pass
-                log.warning("controller: cannot adopt shard %s yet (%s)", s, type(e).__name__)
+                n = self._adopt_failed[s] = self._adopt_failed.get(s, 0) + 1
+                log.warning("controller: cannot adopt shard %s yet (%s; try %d of %d)", s, e, n, ADOPT_TRIES)
+                if n >= ADOPT_TRIES and idx is not None:
+                    self._drop(idx, s)
                 continue
+            self._adopt_failed.pop(s, None)
             log.info("controller: adopted shard %s from the index", s)
             self._register(s, info)

@@ -22,7 +22,8 @@ INDEX_ACTOR = "kvpool-index"
 # compute, kvpool.auth), what keeps the index true is the pool's own processes', and the rest
 # (quotas, listings, events) operators'.
 OPEN = frozenset({"lookup", "get", "invalidate", "shards"})
-POOL_ONLY = frozenset({"publish", "remove", "register_shard", "heartbeat", "purge_dead", "reconcile", "add_tenant"})
+POOL_ONLY = frozenset({"publish", "remove", "register_shard", "heartbeat", "purge_dead", "reconcile", "add_tenant",
+                       "forget_shard", "epoch", "set_epoch"})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -104,9 +105,17 @@ class ActorIndex(Index):
     def shard_keys(self, shard: str) -> set[ChunkKey]:
         return self._call("shard_keys", shard)
 
+    def forget_shard(self, shard: str) -> int:
+        return self._call("forget_shard", shard)
+
+    def epoch(self) -> str | None:
+        return self._call("epoch")
+
+    def set_epoch(self, token: str) -> None:
+        self._call("set_epoch", token)
+
     def events(self, after: str = "0-0", count: int = 1000):
         return self._call("events", after, count)
-
 
     def invalidate(self, key: ChunkKey, shard: str) -> bool:
         """A reader's report that ``shard`` lacks ``key`` (open: a reader holds no pool credential)."""

@@ -131,9 +131,74 @@ def connect(address: str | None, start_local: bool) -> None:
     for attempt in range(4):  # a loaded machine can take a while to bring the head's GCS up
         try:
             _init(f"127.0.0.1:{port}", hint=attempt == 3)
+            _remember_head(f"127.0.0.1:{port}")
             return
         except ConnectionError:
             time.sleep(2.0 * (attempt + 1))
+
+
+def _head_record() -> str:
+    return os.path.expanduser(os.environ.get("KVPOOL_LOCAL_RAY_RECORD", os.path.join("~", ".kvpool", "local-ray.json")))
+
+
+def _remember_head(address: str) -> None:
+    """Records the Ray head `kvpool up --start-local` started (its address and session directory,
+    which every process of that head names), so that `kvpool down --stop-ray` stops it and no other."""
+    import json
+
+    try:
+        session = ray._private.worker._global_node.get_session_dir_path()
+    except AttributeError:  # a Ray whose internals moved: the head just started is the latest session
+        session = os.path.realpath("/tmp/ray/session_latest")
+    path = _head_record()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"address": address, "session_dir": session}, f)
+
+
+def stop_started_ray(grace_s: float = 15.0) -> int:
+    """Stops the processes of the Ray head `kvpool up` started (none when it started none: a Ray
+    someone else started is theirs); how many processes were signalled."""
+    import json
+    import signal
+    import time
+
+    path = _head_record()
+    try:
+        with open(path) as f:
+            session = json.load(f)["session_dir"]
+    except (OSError, ValueError, KeyError):
+        print("kvpool: this machine has no Ray started by `kvpool up`: no Ray stopped", file=sys.stderr)
+        return 0
+    if not session or not session.startswith("/"):
+        return 0
+    mine = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if session.encode() in f.read():
+                    mine.append(int(pid))
+        except OSError:
+            continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in mine:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in mine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    os.unlink(path)
+    return len(mine)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _local_ray_address(path: str = "/tmp/ray/ray_current_cluster") -> str | None:
@@ -181,9 +246,8 @@ def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None
         n = down(namespace=NAMESPACE, secret=secret)
         ray.shutdown()
     finally:
-        if stop_ray:  # even when the pool could not be reached: leave no Ray behind
-            subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop", "--force"],
-                           capture_output=True, timeout=120)
+        if stop_ray:  # even when the pool could not be reached: only the Ray `kvpool up` started
+            stop_started_ray()
     return n
 
 

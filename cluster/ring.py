@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import xxhash
 
-from kvpool.errors import BadRequest
+from kvpool.errors import BadRequest, Unavailable
 
 
 def key_point(key: bytes) -> int:
@@ -68,7 +68,8 @@ class HashRing:
     def _walk(self, key: bytes):
         n = len(self._points)
         if n == 0:
-            raise BadRequest("the ring has no shards: start the pool (kvpool up) or wait for a shard to join")
+            raise Unavailable("the ring has no shards (the pool is starting, or its controller restarting): "
+                              "retry shortly, or start the pool (kvpool up)")
         i = bisect.bisect_left(self._points, key_point(key))
         for j in range(n):
             yield self._owners[(i + j) % n]

@@ -6,6 +6,9 @@
 - Bytes before index: it publishes a chunk to the index only after the chunk is committed, and
   removes from the index what its store evicted, removed or found corrupt.
 - A heartbeat thread renews its membership and ends holds of clients that never came back.
+- Fenced by incarnation: when the index has forgotten it, it rejoins only if the controller does
+  not answer "dropped" for its incarnation; a dropped shard (its node declared dead, say) stops
+  serving and publishing instead of coming back as a zombie.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 
 import ray
 
@@ -30,14 +34,14 @@ from kvpool.cluster.messages import (
     Reserved,
     check_version,
 )
-from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded
+from kvpool.cluster.shard_drills import DRILLS_ENV, Drills
+from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded, Unavailable
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
-DRILLS_ENV = "KVPOOL_DRILLS"
-
+__all__ = ["DRILLS_ENV", "ShardActor", "shard_name", "tenants_to_register"]
 log = logging.getLogger("kvpool.shard")
 SHM_DIR = "/dev/shm"
 RECONCILE_EVERY = 6  # heartbeats (ttl/3 each) between two reconciles with the index
@@ -58,18 +62,26 @@ def tenants_to_register(config: list[dict], known: set[str]) -> list[dict]:
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
-class ShardActor:
+class ShardActor(Drills):
     def __init__(self, shard_id: str, pool: str, store: dict, tenants: list[dict], index_url: str | None,
                  ttl_s: float = 5.0, request_ttl_s: float = 600.0) -> None:
         self.shard_id = shard_id
         self.pool = pool
         self.started = time.monotonic()
         self._stall_s = 0.0
+        self.incarnation = uuid.uuid4().hex
+        self.fenced = False
+        self.refused = 0  # chunks the index refused at a reconcile (over quota), dropped here
         # The pool secret comes with the actor's environment (bootstrap.up) or a mounted file.
         self.auth = Authority.from_env()
         cfg = dict(store)
         cfg.setdefault("dram_dir", SHM_DIR if os.path.isdir(SHM_DIR) else None)
         cfg["name"] = f"{pool}-{shard_id}"
+        if cfg["dram_dir"]:
+            from kvpool.slab import sweep_orphans
+
+            for path in sweep_orphans(cfg["dram_dir"], f"kvpool-{pool}-"):
+                log.warning("shard %s: removed the slab %s of a pool process that is gone", shard_id, path)
         reg = TenantRegistry([Tenant(**t) for t in tenants])
         self.store = ChunkStore(StoreConfig(**cfg), reg)
         self.store.track_gone = True
@@ -113,16 +125,15 @@ class ShardActor:
         while not self._stop.wait(self.ttl_s / 3):
             beats += 1
             try:
-                if beats % RECONCILE_EVERY == 0:
+                if beats % RECONCILE_EVERY == 0 and not self.fenced:
                     # Republishes what it holds and the index forgot (a replica whose primary died
                     # and was purged), and drops index entries it no longer backs.
                     self.reconcile()
                 try:
                     self.index.heartbeat(self.shard_id, self.ttl_s)
-                except BadRequest:  # the index forgot us (restarted empty): rejoin and republish
-                    self._join()
-                    r = self.reconcile()
-                    log.warning("shard %s: rejoined the index, republished %s", self.shard_id, r)
+                    self.fenced = False
+                except BadRequest:  # the index forgot us (restarted empty, or we were dropped)
+                    self._rejoin()
                 self.store.expire_holds()
                 for hid in [h for h in self._reserved if self.store.hold_owner(h) is None]:
                     self._reserved.pop(hid, None)  # expired uncommitted
@@ -135,6 +146,27 @@ class ShardActor:
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("shard %s: heartbeat loop", self.shard_id)
 
+    def _rejoin(self) -> None:
+        """Rejoins the index and republishes, unless the controller dropped this incarnation: then
+        it is fenced (serves nothing, publishes nothing) until registered again."""
+        from kvpool.cluster.controller import CONTROLLER
+
+        try:
+            ctl = ray.get_actor(CONTROLLER)
+            standing = ray.get(ctl.member.remote(self.shard_id, self.incarnation), timeout=max(self.ttl_s, 2.0))
+        except Exception as e:  # noqa: BLE001 - cannot confirm: do not rejoin this beat
+            log.warning("shard %s: the index forgot it and the controller did not answer (%s); not rejoining yet",
+                        self.shard_id, type(e).__name__)
+            return
+        if standing == "dropped":
+            if not self.fenced:
+                log.error("shard %s: the controller dropped it; fenced: serving and publishing nothing", self.shard_id)
+            self.fenced = True
+            return
+        self.fenced = False
+        self._join()
+        log.warning("shard %s: rejoined the index, republished %s", self.shard_id, self.reconcile())
+
     def _forget_gone(self) -> None:
         gone = self.store.take_gone()
         if gone:
@@ -143,6 +175,8 @@ class ShardActor:
     def _publish(self, keys: list[ChunkKey]) -> None:
         """Publishes the committed chunks among ``keys`` (bytes are in place)."""
         entries = self.store.index_entries(self.shard_id, keys)
+        if entries and self.fenced:
+            raise Unavailable(f"shard {self.shard_id} was dropped from the pool (fenced): its chunks are not listed")
         if entries:
             try:
                 self.index.publish(entries)
@@ -157,11 +191,22 @@ class ShardActor:
     def info(self) -> dict:
         st = self.store
         return {"shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
-                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages}
+                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "incarnation": self.incarnation}
 
     def reconcile(self) -> dict:
+        """Makes the index list what this shard holds. What the index refuses (a tenant over its
+        quota) is dropped here: bytes it will never list would hold the tenant's pages."""
         r = self.index.reconcile(self.shard_id, self.store.index_entries(self.shard_id))
-        return {"published": r.published, "removed": r.removed}
+        by_tenant: dict[str, list[ChunkKey]] = {}
+        for e in r.refused:
+            by_tenant.setdefault(e.tenant, []).append(e.key)
+        for tenant, keys in by_tenant.items():
+            self.store.remove_many(keys, tenant)
+        if r.refused:
+            self.refused += len(r.refused)
+            log.warning("shard %s: the index refused %d chunks at reconcile (tenants %s over quota); dropped them",
+                        self.shard_id, len(r.refused), sorted(by_tenant))
+        return {"published": r.published, "removed": r.removed, "refused": len(r.refused)}
 
     # ---------------------------------------------------------------- same node (shared memory)
     # ---------------------------------------------------------------- who and where
@@ -318,6 +363,8 @@ class ShardActor:
         st["node_id"] = self.node_id
         st["uptime_s"] = time.monotonic() - self.started
         st["active_requests"] = len(self.store.active_requests())
+        st["reconcile_refused"] = self.refused
+        st["fenced"] = self.fenced
         return st
 
     def drain(self, credential: str = "") -> int:
@@ -336,38 +383,3 @@ class ShardActor:
 
     def ping(self) -> float:
         return time.time()
-
-    # ---------------------------------------------------------------- drills
-    # NOTE: drills stall the data path and list or locate every tenant's chunks, so a shard
-    # answers them only when it was started with KVPOOL_DRILLS=1 (tests, staging): in production
-    # any process that can reach the actor could otherwise slow the pool or map its contents.
-    def _drill(self, what: str, credential: str) -> None:
-        self.auth.require(credential, what)
-        if os.environ.get(DRILLS_ENV) != "1":
-            raise Forbidden(f"{what} is a drill and drills are off on shard {self.shard_id}: start the pool with "
-                            f"{DRILLS_ENV}=1 (tests and staging only)")
-
-    def inject(self, stall_s: float = 0.0, credential: str = "") -> None:
-        """Fault injection for drills and tests: every data-path call answers ``stall_s`` late
-        (0 clears it). Membership and stats calls are not slowed."""
-        self._drill("inject", credential)
-        self._stall_s = float(stall_s)
-
-    def _maybe_stall(self) -> None:
-        if self._stall_s:
-            time.sleep(self._stall_s)
-
-    def held(self, credential: str = "") -> list[bytes]:
-        """Keys of the chunks this shard holds (to check that the index converged on them)."""
-        self._drill("held", credential)
-        return [bytes(e.key) for e in self.store.index_entries(self.shard_id)]
-
-    def locate(self, key, credential: str = "") -> tuple[str, int, int] | None:
-        """(tier, byte offset in its slab, bytes) of a chunk (its address in the store, as the
-        index lists it), for drills that corrupt a payload."""
-        self._drill("locate", credential)
-        key = ChunkKey(bytes(key))
-        where, entries = self.store.locate(key), self.store.index_entries(self.shard_id, [key])
-        if where is None or not entries:
-            return None
-        return where[0], where[1] * self.store.page_bytes, entries[0].nbytes

@@ -1,7 +1,9 @@
 """How chunk bytes travel between a client and a shard on another node.
 
 A transport starts a batched send (``Put``) or fetch (``Get``) to a shard and returns a future;
-the client waits on it with its timeout and gets the count stored, or a ``Got`` holding the
+the client waits on it with its timeout (and its call's ``deadline``, a ``time.monotonic()``
+instant that every round trip of the wait shares: a same-node write's reserve and commit together
+take no longer than the call's timeout) and gets the count stored, or a ``Got`` holding the
 leading run of the asked chunks. Two are built in: ``SharedMemoryTransport`` for the shard on the
 client's own node (the client maps its DRAM slab and copies the bytes itself, one verified copy;
 the shard only says where and hears when done) and ``RayObjectTransport`` for the others (bytes
@@ -16,6 +18,7 @@ object store stays the transport; ``kvpool bench datapath --rdt`` repeats the pr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -25,6 +28,18 @@ import ray
 from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
 from kvpool.cluster.messages import Commit, Get, Got, LeaseReads, Put, Reserve, check_version
+from kvpool.errors import BadRequest, Unavailable
+
+# What a round trip may still get once the deadline has passed: an answer already there.
+_MIN_WAIT_S = 0.01
+
+
+def _left(timeout_s: float, deadline: float | None) -> float:
+    """The seconds the next round trip may take: what is left before ``deadline`` (all of
+    ``timeout_s`` without one)."""
+    if deadline is None:
+        return timeout_s
+    return max(_MIN_WAIT_S, min(timeout_s, deadline - time.monotonic()))
 
 
 class Transport(Protocol):
@@ -34,7 +49,7 @@ class Transport(Protocol):
 
     def fetch(self, shard, get: Get): ...
 
-    def wait(self, future, timeout_s: float): ...
+    def wait(self, future, timeout_s: float, *, deadline: float | None = None): ...
 
 
 class SharedMemoryTransport:
@@ -58,24 +73,30 @@ class SharedMemoryTransport:
     def fetch(self, shard, get: Get, outs: Sequence[object] | None = None) -> "_Read":
         return _Read(shard, get, shard.lease_reads.remote(LeaseReads(get.keys, get.credential, False, get.shared)), outs)
 
-    def wait(self, future, timeout_s: float):
+    def wait(self, future, timeout_s: float, *, deadline: float | None = None):
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         if isinstance(future, _Write):
-            return self._write(future, timeout_s)
-        return self._read(future, timeout_s)
+            return self._write(future, timeout_s, deadline)
+        return self._read(future, timeout_s, deadline)
 
-    def _write(self, w: "_Write", timeout_s: float) -> int:
-        reserved = ray.get(w.reserve, timeout=timeout_s)
+    def _write(self, w: "_Write", timeout_s: float, deadline: float) -> int:
+        reserved = ray.get(w.reserve, timeout=_left(timeout_s, deadline))
         check_version(reserved, "this client")
         by_key = dict(zip(w.put.write.keys, w.put.payloads))
         sums, committed = [], []
         for p in reserved.places:
             sums.append(copy_with_checksum(self.buf[p.offset : p.offset + p.nbytes], by_key[p.key]))
             committed.append(p.key)
-        return ray.get(w.shard.commit.remote(Commit(reserved.hold_id, committed, sums, w.put.write.credential)),
-                       timeout=timeout_s)
+        commit = w.shard.commit.remote(Commit(reserved.hold_id, committed, sums, w.put.write.credential))
+        try:
+            return ray.get(commit, timeout=_left(timeout_s, deadline))
+        except BadRequest as e:
+            # NOTE: the reservation expired (or the shard restarted) between reserve and commit:
+            # not the caller's input, a failed write (a future miss).
+            raise Unavailable(f"the shard dropped the reservation before its commit ({e})") from None
 
-    def _read(self, r: "_Read", timeout_s: float) -> Got:
-        leased = ray.get(r.lease, timeout=timeout_s)
+    def _read(self, r: "_Read", timeout_s: float, deadline: float) -> Got:
+        leased = ray.get(r.lease, timeout=_left(timeout_s, deadline))
         check_version(leased, "this client")
         out: list[np.ndarray] = []
         bad: list[bytes] = []
@@ -85,6 +106,8 @@ class SharedMemoryTransport:
                 break
             dst = np.empty(p.nbytes, dtype=np.uint8) if r.outs is None else \
                 as_byte_array(r.outs[i], writable=True)[: p.nbytes]
+            if dst.shape[0] != p.nbytes:  # a payload larger than the caller's buffer: not its chunk, a miss
+                break
             if copy_with_checksum(dst, self.buf[p.offset : p.offset + p.nbytes]) != p.checksum:
                 bad.append(r.get.keys[i])
                 break
@@ -125,8 +148,8 @@ class RayObjectTransport:
     def fetch(self, shard, get: Get):
         return shard.get.remote(get)
 
-    def wait(self, future, timeout_s: float):
-        return ray.get(future, timeout=timeout_s)
+    def wait(self, future, timeout_s: float, *, deadline: float | None = None):
+        return ray.get(future, timeout=_left(timeout_s, deadline))
 
 
 TRANSPORTS: dict[str, type] = {"ray": RayObjectTransport}

@@ -92,14 +92,19 @@ def _tenants(args: argparse.Namespace) -> int:
         if len(args.args) != 2:
             raise SystemExit("usage: kvpool tenants set-quota TENANT BYTES")
         from kvpool.index.base import check_quota
+        from kvpool.tenants import UNLIMITED
 
-        tenant, size = args.args[0], check_quota(parse_size(args.args[1]))  # NOTE: capped at unlimited (2**62)
+        tenant, size = args.args[0], parse_size(args.args[1])
+        if size > UNLIMITED:  # NOTE: refused, never capped silently
+            raise BadRequest(f"quota {args.args[1]} is over the largest one, 2**62 B ({UNLIMITED} B: unlimited)")
+        size = check_quota(size)
         try:
             idx.set_quota(tenant, size)
-            print(f"{tenant}: quota {size} B")
-        except UnknownTenant:
-            idx.add_tenant(tenant, size)
-            print(f"{tenant}: new tenant, quota {size} B")
+        except UnknownTenant as e:  # NOTE: never created here: a typo would make a tenant nobody serves
+            e.message = (f"unknown tenant {tenant!r}: register it first: start the pool serving it (`kvpool up "
+                         f"--tenant {tenant}`, or the chart's tenants list), then set its quota")
+            raise
+        print(f"{tenant}: quota {size} B")
     elif args.action == "set-priority":
         if len(args.args) != 2:
             raise SystemExit("usage: kvpool tenants set-priority TENANT low|normal|high")
@@ -220,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(func=_up)
     d2 = sub.add_parser("down", help="drain every shard and stop the pool")
     d2.add_argument("--ray-address")
-    d2.add_argument("--stop-ray", action="store_true", help="also stop the local Ray")
+    d2.add_argument("--stop-ray", action="store_true",
+                    help="also stop the local Ray head `kvpool up` started (never a Ray someone else started)")
     d2.add_argument("--secret-file", help="the pool secret (default: as for `kvpool up`)")
     d2.set_defaults(func=_down)
     st = sub.add_parser("stats", help="per shard and tier: chunks, bytes, hit rate, evictions, tenants")

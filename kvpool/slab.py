@@ -13,6 +13,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 
@@ -171,3 +172,51 @@ def _map_flags(tier: str) -> int:
         flags |= getattr(mmap, "MAP_POPULATE", 0)
     return flags
 
+
+
+def _mapped_paths() -> set[str] | None:
+    """Every file some process of this machine maps (from /proc/*/maps); None when /proc cannot
+    tell (then nothing is swept)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    out: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/"):
+                        out.add(parts[5].rstrip("\n"))
+        except OSError:  # gone meanwhile, or another user's: such a process maps nothing of ours we can see
+            continue
+    return out
+
+
+def sweep_orphans(directory: str, prefix: str, suffix: str = ".kvslab", min_age_s: float = 60.0) -> list[str]:
+    """Removes the named slab files ``prefix*suffix`` under ``directory`` that no live process maps
+    (their shard died without closing them); the paths removed. Only files of this user (another's
+    may be mapped by a process /proc does not show us), and none modified in the last ``min_age_s``
+    (a shard starting beside this one creates its file before it maps it)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(suffix)]
+    except OSError:
+        return []
+    if not names:
+        return []
+    mapped = _mapped_paths()
+    if mapped is None:
+        return []
+    removed = []
+    for n in names:
+        path = os.path.join(directory, n)
+        try:
+            st = os.stat(path)
+            if st.st_uid != os.getuid() or path in mapped or time.time() - st.st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from kvpool import BadRequest
 from kvpool.cli import _SIZE_UNITS, main, parse_size, parse_tenant
 from kvpool.index.redis_index import RedisIndex
-from kvpool.tenants import UNLIMITED
 
 BAD = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -170,16 +169,13 @@ def test_a_bad_index_url_is_refused_without_leaking_a_password(url):
     assert "secret" not in err
 
 
-def test_huge_quotas_are_capped_at_unlimited_and_said_so(server):
-    idx = RedisIndex(server.url)
-    try:
-        rc, out, _ = run("tenants", "set-quota", "big", "9" * 30 + "TiB", "--redis", server.url)
-        assert rc == 0 and out.strip() == f"big: new tenant, quota {UNLIMITED} B"
-        assert [t.quota for t in idx.tenants() if t.id == "big"] == [UNLIMITED]
-    finally:
-        idx._w.delete(idx.keys.tenant("big"))
-        idx._w.srem(idx.keys.tenants, "big")
-        idx.close()
+def test_quotas_over_unlimited_and_unknown_tenants_are_refused(server):
+    before = redis_state(server.url)
+    rc, out, err = run("tenants", "set-quota", "acme", "9" * 30 + "TiB", "--redis", server.url)
+    assert rc == 2 and out == "" and "[400]" in err and "2**62" in err
+    rc, out, err = run("tenants", "set-quota", "big", "1GiB", "--redis", server.url)
+    assert rc == 2 and out == "" and "[404] unknown tenant 'big'" in err and "kvpool up --tenant big" in err
+    assert redis_state(server.url) == before
 
 
 def test_an_unknown_action_is_an_argparse_error(server):

@@ -7,6 +7,7 @@ import pytest
 from kvpool import BadRequest
 from kvpool.bench import index as bench_index
 from kvpool.cli import parse_size
+from kvpool.index.redis_index import RedisIndex
 
 
 def kvpool(*args, env=None, check=True):
@@ -18,8 +19,16 @@ def kvpool(*args, env=None, check=True):
 
 def test_tenants_cli_round_trip(own_redis):
     url = own_redis.url
+    r = kvpool("tenants", "set-quota", "acme", "10GiB", "--redis", url, check=False)
+    assert r.returncode == 2 and "[404] unknown tenant 'acme'" in r.stderr and "kvpool up --tenant acme" in r.stderr
+    idx = RedisIndex(url)
+    idx.add_tenant("acme")
+    idx.add_tenant("tiny")
+    idx.close()
     out = kvpool("tenants", "set-quota", "acme", "10GiB", "--redis", url).stdout
-    assert "new tenant" in out and str(10 * 2**30) in out
+    assert out.strip() == f"acme: quota {10 * 2**30} B"
+    r = kvpool("tenants", "set-quota", "acme", f"{2**62 + 1}", "--redis", url, check=False)
+    assert r.returncode == 2 and "[400]" in r.stderr and "2**62" in r.stderr
     kvpool("tenants", "set-quota", "tiny", "500MB", "--redis", url)
     kvpool("tenants", "set-priority", "acme", "high", "--redis", url)
     rows = json.loads(kvpool("tenants", "list", "--json", "--redis", url).stdout)

@@ -202,3 +202,31 @@ def test_reconcile_makes_the_index_say_what_the_shard_holds(index):
     assert index.usage("a") == 3000
     with pytest.raises(BadRequest, match="of shard 's2'"):
         index.reconcile("s1", [entry(k[0], shard="s2")])
+
+
+def test_reconcile_publishes_what_it_can_and_reports_what_the_index_refuses(index):
+    setup(index, quota=2500)  # a: room for two 1000 B chunks
+    k = make_keys(6)
+    held = [entry(k[i], tenant="a") for i in range(4)] + [entry(k[i], tenant="b") for i in (4, 5)]
+    r = index.reconcile("s1", held)  # a single refused tenant does not block the others
+    assert (r.published, r.removed) == (4, 0)
+    assert sorted(e.key for e in r.refused) == sorted(k[2:4])
+    assert {k[4], k[5]} <= index.shard_keys("s1") and index.usage("a") == 2000
+    ghost = index.reconcile("s1", [entry(make_keys(1, seed=9)[0], tenant="nobody")])
+    assert ghost.published == 0 and len(ghost.refused) == 1
+
+
+def test_forget_shard_removes_a_live_shard_and_refunds(index):
+    setup(index)
+    k = make_keys(3)
+    index.publish([entry(k[0]), entry(k[1]), entry(k[2], shard="s2")])
+    assert index.forget_shard("s1") == 2
+    assert "s1" not in index.shards() and index.shard_keys("s1") == set() and index.usage("a") == 1000
+    with pytest.raises(BadRequest, match="unknown shard"):
+        index.heartbeat("s1")
+
+
+def test_the_epoch_is_gone_when_the_index_is_new(index):
+    assert index.epoch() is None
+    index.set_epoch("e1")
+    assert index.epoch() == "e1"

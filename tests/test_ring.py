@@ -5,6 +5,7 @@ from conftest import make_keys
 
 from kvpool import BadRequest
 from kvpool.cluster.ring import HashRing
+from kvpool.errors import Unavailable
 
 KEYS = make_keys(20000, chunk_tokens=1, seed=4)
 
@@ -74,7 +75,8 @@ def test_ring_round_trips_and_versions():
 
 
 def test_empty_ring_and_bad_shards_are_clear_errors():
-    with pytest.raises(BadRequest, match="no shards"):
+    # An empty ring is an outage (the pool starting, its controller restarting), not bad input.
+    with pytest.raises(Unavailable, match="no shards"):
         HashRing().owners(KEYS[0])
     with pytest.raises(BadRequest, match="positive weight"):
         HashRing().add("a", 0)

@@ -62,6 +62,24 @@ def _bench_soak(args: argparse.Namespace) -> int:
     return 0 if r["wrong_bytes"] == 0 else 1
 
 
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from kvpool.cluster import chaos
+
+    faults = args.faults.split(",") if args.faults else None
+    unknown = [f for f in faults or [] if f not in chaos.FAULTS]
+    if unknown:
+        raise BadRequest(f"--faults: unknown {unknown}; choose from {', '.join(chaos.FAULTS)}")
+    kw = dict(faults=faults, runs=args.runs, seconds_per_fault=args.seconds_per_fault, clients=args.clients)
+    if args.json:
+        with _stdout_to_stderr():  # Ray and redis-server may print; --json prints only JSON
+            r = chaos.run(**kw, progress=True)
+        print(json.dumps(r, indent=2))
+    else:
+        r = chaos.run(**kw, progress=True)
+        print(chaos.format_table(r))
+    return 0 if r["total"]["wrong_bytes"] == 0 and not r["hung_clients"] else 1
+
+
 def _bench_kernels(args: argparse.Namespace) -> int:
     from kvpool.bench import kernels
 
@@ -164,6 +182,14 @@ def add_bench_parser(sub) -> None:
     bs.add_argument("--nodes", type=int, default=2)
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_bench_soak)
+    bx = bsub.add_parser("chaos", help="faults one at a time on a local 3-node pool under verifying load")
+    bx.add_argument("--faults", default="", help="comma-separated, default all: shard-kill, local-shard-kill, "
+                    "node-kill, redis-stop, redis-restart, controller-restart, fill, ring-change")
+    bx.add_argument("--runs", type=int, default=1, help="times the schedule of faults runs")
+    bx.add_argument("--seconds-per-fault", type=float, default=10.0, help="quiet period after each fault")
+    bx.add_argument("--clients", type=int, default=3, help="verifying client processes")
+    bx.add_argument("--json", action="store_true")
+    bx.set_defaults(func=_bench_chaos)
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")

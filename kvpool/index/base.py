@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from kvpool.errors import BadRequest
+from kvpool.errors import BadRequest, QuotaExceeded, UnknownTenant
 from kvpool.keys import ChunkKey, as_key, as_keys
 from kvpool.tenants import PRIORITY_CLASSES, UNLIMITED
 
@@ -127,6 +127,7 @@ class TenantInfo:
 class ReconcileResult:
     published: int
     removed: int
+    refused: tuple = ()  # the held entries the index refused (a tenant over its quota, or unknown)
 
 
 def check_keys(keys: Sequence[object]) -> list[ChunkKey]:
@@ -258,6 +259,20 @@ class Index(ABC):
     @abstractmethod
     def shard_keys(self, shard: str) -> set[ChunkKey]: ...
 
+    @abstractmethod
+    def forget_shard(self, shard: str) -> int:
+        """Removes one shard's entries (refunding them) and its membership, alive or not (the
+        controller's verdict: its node is dead, or it cannot be reached); how many entries."""
+
+    # ---------------------------------------------------------------- epoch
+    # A token the controller writes once; the index without it has restarted empty (or was
+    # flushed), and the controller re-applies the operator state it last saw.
+    @abstractmethod
+    def epoch(self) -> str | None: ...
+
+    @abstractmethod
+    def set_epoch(self, token: str) -> None: ...
+
     def reconcile(self, shard: str, held: Sequence[IndexEntry]) -> ReconcileResult:
         """Makes the index say exactly what ``shard`` holds: publishes what is missing, removes
         what it no longer has. Idempotent."""
@@ -269,8 +284,29 @@ class Index(ABC):
         have = self.shard_keys(shard)
         want = {e.key for e in held}
         removed = self.remove(sorted(have - want), shard=shard) if have - want else 0
-        published = sum(self.publish([e for e in held if e.key not in have]))
-        return ReconcileResult(published, removed)
+        # NOTE: one tenant over its quota (or unknown) must not block the others' entries: publish
+        # per tenant, and within a refused tenant what fits (oldest first); the rest is refused.
+        by_tenant: dict[str, list[IndexEntry]] = {}
+        for e in held:
+            if e.key not in have:
+                by_tenant.setdefault(e.tenant, []).append(e)
+        published, refused = 0, []
+        for entries in by_tenant.values():
+            try:
+                published += sum(self.publish(entries))
+                continue
+            except (QuotaExceeded, UnknownTenant):
+                pass
+            ordered = sorted(entries, key=lambda e: e.created)
+            for i, e in enumerate(ordered):
+                try:
+                    published += sum(self.publish([e]))
+                except UnknownTenant:
+                    refused += ordered[i:]
+                    break
+                except QuotaExceeded:
+                    refused.append(e)
+        return ReconcileResult(published, removed, tuple(refused))
 
     # ---------------------------------------------------------------- events
     @abstractmethod

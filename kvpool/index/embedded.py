@@ -29,6 +29,7 @@ class EmbeddedIndex(Index):
         self._tenants: dict[str, list] = {}  # id -> [usage, quota, priority]
         self._events: deque[Event] = deque(maxlen=checks.check_max_events(max_events))
         self._seq = itertools.count(1)
+        self._epoch: str | None = None
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
@@ -164,6 +165,21 @@ class EmbeddedIndex(Index):
                 del self._by_shard[s]
                 del self._shards[s]
         return out
+
+    def forget_shard(self, shard: str) -> int:
+        checks.check_name("shard id", shard)
+        with self._lock:
+            keys = list(self._by_shard.get(shard, ()))
+            n = sum(self._remove(k, shard) for k in keys)
+            self._by_shard.pop(shard, None)
+            self._shards.pop(shard, None)
+            return n
+
+    def epoch(self) -> str | None:
+        return self._epoch
+
+    def set_epoch(self, token: str) -> None:
+        self._epoch = token
 
     def shard_keys(self, shard: str) -> set[ChunkKey]:
         checks.check_name("shard id", shard)

@@ -49,7 +49,8 @@ def rules(role: str, prefix: str = "kvp") -> list[str]:
                 f"(~{p}:u:* +incrby)",  # usage: charged and refunded, never the quota beside it
                 f"(%W~{p}:t:* +hsetnx)",  # a new tenant (create-only)
                 f"(%W~{p}:tenants +sadd)",
-                f"(%W~{p}:events +xadd)"]
+                f"(%W~{p}:events +xadd)",
+                f"(%W~{p}:epoch +set)"]  # the controller's token (kvpool.index.base.Index.epoch)
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 

@@ -55,7 +55,7 @@ def _noperm(e: Exception) -> bool:
 
 # The role (kvpool.index.redis_acl) whose user may make each write; named in a 403.
 _ROLE_OF = {what: "shard" for what in ("publish", "remove", "register_shard", "heartbeat", "register a tenant",
-                                        "shards", "purge", "shard_keys")}
+                                        "shards", "purge", "shard_keys", "epoch")}
 
 
 class RedisIndex(Index):
@@ -124,6 +124,27 @@ class RedisIndex(Index):
     def ping(self) -> bool:
         ok, _ = self._read(self._r.ping)
         return bool(ok)
+
+    def check(self, timeout_s: float = 3.0) -> None:
+        """Raises Unavailable (503) naming the URL unless the server answers a PING in ``timeout_s``
+        (before a pool starts on it: its actors would otherwise die with an untyped error)."""
+        import redis as _redis
+
+        url_shown = self.url
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._r.ping()
+                return
+            except _ERRORS as e:
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"the index at {url_shown} does not answer ({type(e).__name__}): start Redis "
+                                      "there or pass the right URL") from None
+                time.sleep(0.1)
+            except _redis.exceptions.ResponseError as e:  # AUTH and the like: it answers
+                if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                    raise Unavailable(f"the index at {url_shown} refused this URL's credentials ({e})") from None
+                return
 
     # ---------------------------------------------------------------- tenants
     def add_tenant(self, tenant: str, quota: int = UNLIMITED, priority: str = "normal") -> None:
@@ -266,23 +287,29 @@ class RedisIndex(Index):
         alive = self._write("shards", self._w.mget, [self.keys.heartbeat(s) for s in ids])
         return {s: a is not None for s, a in zip(ids, alive)}
 
-    def purge_dead(self, batch: int = 512) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for shard, alive in self.shards().items():
-            if alive:
-                continue
-            n = 0
-            members = list(self._write("purge", self._w.smembers, self.keys.shard_set(shard)))
-            for i in range(0, len(members), batch):
-                argv = [self._prefix, self._maxlen, shard, *members[i : i + batch]]
-                n += int(self._write("purge", self._remove, args=argv))
-            pipe = self._w.pipeline(transaction=True)
-            pipe.hdel(self.keys.shards, shard)
-            pipe.delete(self.keys.shard_set(shard))
-            self._write("purge", pipe.execute)
-            out[shard] = n
-            log.info("index: purged dead shard %s (%d entries)", shard, n)
-        return out
+    def purge_dead(self) -> dict[str, int]:
+        return {shard: self.forget_shard(shard) for shard, alive in self.shards().items() if not alive}
+
+    def forget_shard(self, shard: str, batch: int = 512) -> int:
+        checks.check_name("shard id", shard)
+        n = 0
+        members = list(self._write("purge", self._w.smembers, self.keys.shard_set(shard)))
+        for i in range(0, len(members), batch):
+            argv = [self._prefix, self._maxlen, shard, *members[i : i + batch]]
+            n += int(self._write("purge", self._remove, args=argv))
+        pipe = self._w.pipeline(transaction=True)
+        pipe.hdel(self.keys.shards, shard)
+        pipe.delete(self.keys.shard_set(shard), self.keys.heartbeat(shard))
+        self._write("purge", pipe.execute)
+        log.info("index: forgot shard %s (%d entries)", shard, n)
+        return n
+
+    def epoch(self) -> str | None:
+        v = self._write("epoch", self._w.get, self.keys.epoch)
+        return None if v is None else v.decode()
+
+    def set_epoch(self, token: str) -> None:
+        self._write("epoch", self._w.set, self.keys.epoch, token)
 
     def shard_keys(self, shard: str) -> set[ChunkKey]:
         checks.check_name("shard id", shard)

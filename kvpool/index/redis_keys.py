@@ -10,6 +10,7 @@ so several pools can share one Redis.
 | ``{p}:t:<tenant>`` | hash | ``quota`` (bytes), ``priority``: written by operators only |
 | ``{p}:u:<tenant>`` | string | the tenant's usage in bytes, charged and refunded by the Lua scripts |
 | ``{p}:tenants`` | set | tenant ids |
+| ``{p}:epoch`` | string | the controller's token: gone = the index restarted empty |
 | ``{p}:events`` | stream | ``kind`` stored/removed, ``key``, ``shard``, ``tenant`` |
 
 The Lua scripts build the same names from the prefix (they are written for one Redis server,
@@ -27,6 +28,7 @@ class Keys:
         self.shards = f"{prefix}:shards"
         self.tenants = f"{prefix}:tenants"
         self.events = f"{prefix}:events"
+        self.epoch = f"{prefix}:epoch"
 
     def chunk(self, key: bytes) -> bytes:
         return self._c + key

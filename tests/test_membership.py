@@ -1,0 +1,287 @@
+"""Membership and the index under faults (issue 16), on a real pool: a 3-node Ray cluster on this
+machine, its index in a Redis server of the test's own. A quota refusal never blocks a reconcile;
+operator quotas survive Redis restarting empty; a shard the controller dropped is fenced and
+purged; a paused Redis is an index outage, not dead shards; leftovers are cleaned up."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from conftest import OwnRedis, free_port, make_keys, payload, wait_for
+
+from kvpool.cluster.bootstrap import shard_id_of, up
+from kvpool.cluster.client import PoolClient
+from kvpool.cluster.controller import ADOPT_TRIES, CONTROLLER
+from kvpool.cluster.local import local_cluster
+from kvpool.cluster.shard import DRILLS_ENV, shard_name
+from kvpool.errors import BadRequest, KvPoolError, Unavailable
+from kvpool.index.redis_index import RedisIndex
+from kvpool.keys import ChunkKey
+from kvpool.slab import sweep_orphans
+from kvpool.tenants import UNLIMITED
+
+NS = "kvpool-membership"
+PAGE = 4096
+TTL = 1.5
+UP = {"store": {"page_bytes": PAGE, "dram_pages": 64}, "tenants": [{"id": "a"}, {"id": "b"}], "ttl_s": TTL,
+      "controller_interval_s": 0.5, "namespace": NS}
+SETTLING = (ray.exceptions.RayError, KvPoolError)
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    r = OwnRedis(tmp_path_factory.mktemp("redis"))
+    yield r
+    r.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis):
+    fast = {"health_check_failure_threshold": 2, "health_check_period_ms": 500, "health_check_initial_delay_ms": 0}
+    os.environ[DRILLS_ENV] = "1"
+    try:
+        with local_cluster(3, namespace=NS, system_config=fast) as (c, nodes):
+            up(index_url=redis.url, **UP)
+            yield c, nodes
+    finally:
+        os.environ.pop(DRILLS_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def client(cluster, redis):
+    cl = PoolClient(index_url=redis.url, timeout_s=1.5, namespace=NS)
+    yield cl
+    cl.close()
+
+
+@pytest.fixture
+def idx(redis):
+    i = RedisIndex(redis.url)
+    yield i
+    i.close()
+
+
+def shard(sid):
+    return ray.get_actor(shard_name("default", sid), namespace=NS)
+
+
+def controller():
+    return ray.get_actor(CONTROLLER, namespace=NS)
+
+
+def ring():
+    st = ray.get(controller().state.remote(), timeout=10)
+    return st["version"], set(st["shards"])
+
+
+def listed(idx) -> dict[str, set[ChunkKey]]:
+    return {s: set(idx.shard_keys(s)) for s in idx.shards()}
+
+
+def all_alive(idx, sids) -> bool:
+    alive = idx.shards()
+    return all(alive.get(s) for s in sids)
+
+
+def test_up_against_a_dead_redis_is_a_typed_503_naming_it(cluster):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(Unavailable, match=f"the index at {url} does not answer"):
+        up(index_url=url, **{**UP, "namespace": "kvpool-dead-redis", "timeout_s": 10})
+    with pytest.raises(ValueError):  # nothing was started
+        ray.get_actor(CONTROLLER, namespace="kvpool-dead-redis")
+
+
+def test_a_reconcile_publishes_what_it_can_and_drops_what_the_index_refuses(client, idx):
+    ka, kb = make_keys(12, seed=101), make_keys(12, seed=102)
+    assert client.put("a", ka, [payload(i, PAGE) for i in range(12)]) == 12
+    assert client.put("b", kb, [payload(i, PAGE) for i in range(12)]) == 12
+    before = listed(idx)
+    tenant_of = {k: idx.get(k).tenant for keys in before.values() for k in keys}
+    of_a = {k for k, t in tenant_of.items() if t == "a"}
+    of_b = {k for k, t in tenant_of.items() if t == "b"}
+    assert len(of_a) >= 12 and len(of_b) >= 12
+    try:
+        idx.set_quota("a", 0)  # an operator lowers a's quota below what it holds
+        idx.remove(sorted(of_a | of_b))  # the index loses them (a purge, an eviction race)
+        for sid in before:  # today: QuotaExceeded for the whole reconcile, b's never come back
+            ray.get(shard(sid).reconcile.remote(), timeout=30)
+
+        def settled() -> bool:
+            now = set().union(*listed(idx).values())
+            held = {ChunkKey(k) for s in before for k in ray.get(shard(s).held.remote(), timeout=10)}
+            return of_b <= now and not (of_a & now) and not (of_a & held)
+
+        wait_for(settled, 20, interval_s=0.3, ignore=SETTLING, what="b's entries republished, a's dropped")
+        refused = sum(ray.get(shard(s).stats.remote(), timeout=10)["reconcile_refused"] for s in before)
+        assert refused >= len(of_a)
+    finally:
+        idx.set_quota("a", UNLIMITED)
+
+
+def test_operator_quotas_survive_redis_restarted_empty(cluster, client, redis, idx):
+    sids = set(client.shards)
+    idx.set_quota("b", 12345)
+    idx.set_priority("b", "high")
+    time.sleep(2.0)  # a few controller passes: it has seen the operator state
+    redis.restart()  # empty
+
+    def restored() -> bool:
+        fresh = RedisIndex(redis.url)
+        try:
+            return [(t.quota, t.priority) for t in fresh.tenants() if t.id == "b"] == [(12345, "high")]
+        finally:
+            fresh.close()
+
+    wait_for(restored, 20, interval_s=0.3, ignore=SETTLING, what="b's quota and priority back after the restart")
+    wait_for(lambda: all_alive(idx, sids), 20, interval_s=0.3, ignore=SETTLING, what="every shard rejoined")
+    assert ring()[1] == sids
+    idx.set_quota("b", UNLIMITED)
+    idx.set_priority("b", "normal")
+
+
+def test_a_paused_redis_is_an_outage_and_drops_no_shard(client, redis, idx):
+    keys = make_keys(20, seed=103)
+    assert client.put("a", keys, [payload(i, PAGE) for i in range(20)]) == 20
+    wait_for(lambda: all_alive(idx, client.shards), 20, interval_s=0.3, ignore=SETTLING, what="every shard alive")
+    version, sids = ring()
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(10)
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    time.sleep(4 * TTL)  # beyond the heartbeats' TTL and several controller passes
+    assert ring() == (version, sids)  # today: every shard dropped (their heartbeat keys expired)
+    assert client.lookup("a", keys).count == 20  # and their entries still listed
+
+
+def test_a_shard_the_controller_dropped_is_fenced_until_registered_again(cluster, client, idx):
+    c, nodes = cluster
+    sid = shard_id_of(nodes[0].node_id)
+    h = shard(sid)
+    keys = make_keys(8, seed=104)
+    client.put("a", keys, [payload(i, PAGE) for i in range(8)])
+    ray.get(controller().deregister.remote(sid), timeout=10)
+    idx.forget_shard(sid)  # what the controller does to a shard it drops
+    wait_for(lambda: ray.get(h.stats.remote(), timeout=10)["fenced"], 10, interval_s=0.2, what=f"{sid} fenced")
+    time.sleep(2 * TTL)  # today: it rejoins and republishes at its next heartbeat
+    assert sid not in idx.shards() and not idx.shard_keys(sid)
+    with pytest.raises(Unavailable, match="fenced"):
+        try:
+            ray.get(h.get.remote(_get_msg(keys)), timeout=10)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
+    up(index_url=idx.url, **UP)  # registered again: it rejoins
+    wait_for(lambda: idx.shards().get(sid) and not ray.get(h.stats.remote(), timeout=10)["fenced"], 15,
+             interval_s=0.2, ignore=SETTLING, what=f"{sid} back in the index")
+    assert sid in ring()[1]
+
+
+def _get_msg(keys):
+    from kvpool.cluster.messages import Get
+
+    return Get(credential="a", keys=[bytes(k) for k in keys], shared=False)
+
+
+def test_a_listed_shard_the_controller_cannot_reach_is_purged(cluster, idx):
+    idx.register_shard("node-ghost", "nowhere", TTL)
+    stop = threading.Event()
+
+    def zombie():  # keeps heartbeating, as a process cut off from Ray does
+        while not stop.wait(0.3):
+            try:
+                idx.heartbeat("node-ghost", TTL)
+            except BadRequest:
+                return
+
+    t = threading.Thread(target=zombie, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: "node-ghost" not in idx.shards(), ADOPT_TRIES * 0.5 + 15, interval_s=0.3,
+                 what="the unreachable shard purged from the index")
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_a_killed_node_s_shard_is_purged_even_while_it_heartbeats(cluster, client, idx):
+    c, nodes = cluster
+    victim_node = nodes[-1]
+    victim = shard_id_of(victim_node.node_id)
+    keys = make_keys(40, seed=105)
+    client.put("a", keys, [payload(i, PAGE) for i in range(40)])
+    assert idx.shard_keys(victim)
+    stop = threading.Event()
+
+    def zombie():  # its process outlived its raylet and keeps heartbeating
+        while not stop.wait(0.3):
+            try:
+                idx.heartbeat(victim, TTL)
+            except BadRequest:
+                return
+
+    t = threading.Thread(target=zombie, daemon=True)
+    t.start()
+    try:
+        c.remove_node(victim_node, allow_graceful=False)
+        wait_for(lambda: victim not in idx.shards() and not idx.shard_keys(victim), 30, interval_s=0.3,
+                 ignore=SETTLING, what=f"{victim}'s entries and membership purged")
+        time.sleep(2 * TTL)
+        assert victim not in idx.shards() and not idx.shard_keys(victim)  # no re-publish
+        assert victim not in ring()[1]
+    finally:
+        stop.set()
+        t.join(5)
+
+
+# ---------------------------------------------------------------------- leftovers (no cluster)
+def test_slab_files_of_gone_processes_are_swept_and_no_other(tmp_path):
+    d = str(tmp_path)
+
+    def make(name, age_s=600.0):
+        p = os.path.join(d, name)
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+        os.utime(p, (time.time() - age_s, time.time() - age_s))
+        return p
+
+    orphan = make("kvpool-default-node-dead-dram.kvslab")
+    mapped = make("kvpool-default-node-live-dram.kvslab")
+    young = make("kvpool-default-node-new-dram.kvslab", age_s=0)
+    other = make("kvpool-otherpool-node-x-dram.kvslab")
+    with open(mapped, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 4096)
+    try:
+        assert sweep_orphans(d, "kvpool-default-") == [orphan]
+    finally:
+        mm.close()
+    assert not os.path.exists(orphan) and all(os.path.exists(p) for p in (mapped, young, other))
+
+
+def test_down_stops_only_the_ray_that_up_started(tmp_path, monkeypatch):
+    from kvpool.cluster import ops
+
+    session = str(tmp_path / "session_of_ours")
+    code = "import time; time.sleep(120)"
+    ours = subprocess.Popen([sys.executable, "-c", code, f"--session-dir={session}"])
+    theirs = subprocess.Popen([sys.executable, "-c", code, "--session-dir=/tmp/ray/session_of_theirs"])
+    record = tmp_path / "local-ray.json"
+    monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
+    try:
+        assert ops.stop_started_ray() == 0  # no record: it started no Ray, it stops none
+        record.write_text(f'{{"address": "127.0.0.1:1", "session_dir": "{session}"}}')
+        assert ops.stop_started_ray(grace_s=5) == 1
+        assert ours.wait(timeout=10) is not None and theirs.poll() is None
+        assert not record.exists()
+    finally:
+        for p in (ours, theirs):
+            p.kill()
+            p.wait()
+
