@@ -291,12 +291,15 @@ class ShardActor(Drills):
         entry = self._requests.get(request_id) if request_id is not None else None
         return None if entry is None or entry[0].cancelled or entry[0].tenant != tenant else entry[0]
 
-    def end(self, request_id: int, credential: str | None = None) -> bool:
-        """Ends a request; False when it was unknown (expired, or the shard restarted) or another
-        tenant's."""
+    def end(self, request_id: int, credential: str) -> bool:
+        """Ends the caller's request; False when it was unknown (expired, or the shard restarted)
+        or another tenant's."""
         entry = self._requests.get(request_id)
-        if entry is not None and credential is not None and entry[0].tenant != self._who(credential).tenant:
+        if entry is not None and entry[0].tenant != self._who(credential).tenant:
             return False
+        return self._end(request_id)
+
+    def _end(self, request_id: int) -> bool:
         entry = self._requests.pop(request_id, None)
         if entry is not None:
             self.store.end(entry[0])
@@ -310,7 +313,7 @@ class ShardActor(Drills):
         for rid, (req, deadline) in list(self._requests.items()):
             if deadline < now or req.cancelled:
                 log.warning("shard %s: request %d %s", self.shard_id, rid, "cancelled" if req.cancelled else "expired")
-                self.end(rid)
+                self._end(rid)
 
     # ---------------------------------------------------------------- other nodes (bytes over Ray)
     def put(self, msg: Put) -> int:
@@ -374,7 +377,7 @@ class ShardActor(Drills):
         self.auth.require(credential, "draining a shard")
         self._stop.set()
         for rid in list(self._requests):
-            self.end(rid)
+            self._end(rid)
         self.store.expire_holds(now=float("inf"))
         keys = list(self.index.shard_keys(self.shard_id))
         n = self.index.remove(keys, shard=self.shard_id) if keys else 0

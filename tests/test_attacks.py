@@ -202,6 +202,8 @@ def test_another_tenants_holds_and_requests_cannot_be_committed_released_or_ende
         # mallory names alice's lease as corrupt, and tries to end alice's request
         ray.get(shard.release.remote(leased.hold_id, raw, MALLORY), timeout=10)
         assert ray.get(shard.end.remote(rid, MALLORY), timeout=10) is False
+        with pytest.raises(TypeError):  # no credential, no call
+            ray.get(shard.end.remote(rid), timeout=10)
         with pytest.raises(KvPoolError, match="no reservation"):
             ray.get(shard.commit.remote(Commit(leased.hold_id, raw, [0, 0], MALLORY)), timeout=10)
         assert ray.get(shard.end.remote(rid, ALICE), timeout=10) is True
