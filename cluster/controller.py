@@ -92,7 +92,13 @@ class Controller:
         self.auth.require(credential, "taking a shard out of the ring")
         with self._changed:
             self._dropped.add(shard_id)  # fenced: it rejoins the index only when registered again
-        return self._deregister(shard_id)
+        version = self._deregister(shard_id)
+        try:  # its listing goes too, so the next pass cannot adopt it back from the index
+            self.purged += self._idx().forget_shard(shard_id)
+        except Exception as e:  # noqa: BLE001 - the index is down: _adopt skips dropped shards anyway
+            log.warning("controller: dropped shard %s; its index entries stay until the index answers (%s)",
+                        shard_id, e)
+        return version
 
     def _deregister(self, shard_id: str) -> int:
         with self._changed:
@@ -234,7 +240,7 @@ class Controller:
         from kvpool.cluster.shard import shard_name
 
         for s, live in alive.items():
-            if not live or s in self.shards:
+            if not live or s in self.shards or s in self._dropped:  # dropped: back only by registering
                 continue
             try:
                 h = ray.get_actor(shard_name(self.pool, s))
