@@ -38,6 +38,25 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_peers(args: argparse.Namespace) -> int:
+    from kvpool.bench import peers
+
+    names = tuple(p for p in args.peers.split(",") if p)
+    unknown = [p for p in names if p not in peers.PEERS]
+    if unknown or args.rounds < 1 or args.ops256 < 1 or args.ops32 < 1:
+        raise BadRequest(f"--peers: choose from {', '.join(peers.PEERS)}; --rounds, --ops256, --ops32: at least 1")
+    kw = dict(rounds=args.rounds, peers=names, ops={"256KiB": args.ops256, "32MiB": args.ops32},
+              redis_url=args.redis)
+    if args.json:
+        with _stdout_to_stderr():  # Mooncake's native code logs; --json prints only JSON
+            r = peers.run(**kw, progress=True)
+        print(json.dumps(r, indent=2))
+    else:
+        r = peers.run(**kw, progress=True)
+        print(peers.format_table(r))
+    return 0 if peers.wrong_bytes(r) == 0 else 1
+
+
 def _bench_datapath(args: argparse.Namespace) -> int:
     from kvpool.cluster import bench_datapath as datapath
 
@@ -171,6 +190,14 @@ def add_bench_parser(sub) -> None:
     bd.add_argument("--rdt", action="store_true", help="probe Ray's direct tensor transport against the object store")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=_bench_datapath)
+    bp = bsub.add_parser("peers", help="put, same-node and cross-process get on Mooncake Store and Redis vs memcpy")
+    bp.add_argument("--peers", default="mooncake,redis", help="comma-separated (default mooncake,redis)")
+    bp.add_argument("--rounds", type=int, default=3, help="the output gives the range over rounds")
+    bp.add_argument("--ops256", type=int, default=200, help="operations per round on 256 KiB chunks (default 200)")
+    bp.add_argument("--ops32", type=int, default=8, help="operations per round on 32 MiB chunks (default 8)")
+    bp.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="else a redis-server of its own")
+    bp.add_argument("--json", action="store_true")
+    bp.set_defaults(func=_bench_peers)
     bk = bsub.add_parser("kernels", help="paged gather/scatter vs a plain copy, quantization, scoring at 32K")
     bk.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     bk.add_argument("--context", type=int, default=32768)
