@@ -104,6 +104,13 @@ class ShardActor(Drills):
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="kvpool-heartbeat")
         self._beat.start()
+        self.node = None  # engines of this node reach the shard here, without Ray (cluster/node_server.py)
+        if cfg["dram_dir"]:
+            from kvpool.cluster.node_server import NodeServer, run_dir
+
+            where = run_dir()
+            if where:
+                self.node = NodeServer(self, where, ray.get_runtime_context().namespace, index_url)
 
     # ---------------------------------------------------------------- membership
     def _join(self) -> None:
@@ -368,6 +375,8 @@ class ShardActor(Drills):
         st["active_requests"] = len(self.store.active_requests())
         st["reconcile_refused"] = self.refused
         st["fenced"] = self.fenced
+        st["node_socket"] = None if self.node is None else self.node.info["socket"]
+        st["node_served"] = 0 if self.node is None else self.node.served
         return st
 
     def drain(self, credential: str = "") -> int:
@@ -379,6 +388,8 @@ class ShardActor(Drills):
         for rid in list(self._requests):
             self._end(rid)
         self.store.expire_holds(now=float("inf"))
+        if self.node is not None:
+            self.node.close()
         keys = list(self.index.shard_keys(self.shard_id))
         n = self.index.remove(keys, shard=self.shard_id) if keys else 0
         self.store.close()

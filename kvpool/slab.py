@@ -97,20 +97,23 @@ class Slab:
                 f"{tier} tier of {total} B does not fit in the {free} B free under {directory!r}: "
                 f"lower num_pages or pick another directory"
             )
-        if name is None:
-            fd, path = tempfile.mkstemp(prefix="kvpool-", suffix=".kvslab", dir=directory)
-        else:
-            path = os.path.join(directory, name)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, path = tempfile.mkstemp(prefix="kvpool-", suffix=".kvslab", dir=directory)
+        tmp = path
         try:
             os.ftruncate(fd, max(total, 1))
             if tier == "dram":
                 _reserve(fd, total, directory)
             mm = mmap.mmap(fd, max(total, 1), flags=_map_flags(tier))
+            if name is not None:
+                # NOTE: a new file replaces the old one under its name, never truncates it: a client
+                # still mapping a dead shard's slab would take a SIGBUS on its next read.
+                final = os.path.join(directory, name)
+                os.replace(path, final)
+                path = final
         finally:
             os.close(fd)
-            if name is None:
-                os.unlink(path)  # NOTE: the mapping keeps the file alive; a crash leaves nothing behind
+            if path == tmp:
+                os.unlink(tmp)  # NOTE: the mapping keeps the file alive; a crash leaves nothing behind
         slab = cls._over(tier, page_bytes, num_pages, mm, total, unlink=None if name is None else path)
         slab.path = None if name is None else path
         return slab

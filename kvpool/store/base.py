@@ -55,6 +55,8 @@ class StoreBase:
         self._read_held: dict[int, int] = {}  # tenant index -> pages its read leases hold
         self._gone: list[ChunkKey] = []  # findable chunks that left since take_gone(): the index forgets them
         self.track_gone = False  # a shard that publishes to an index turns this on
+        # The node's shard lists its ready DRAM chunks here for same-node readers (kvpool.node.table).
+        self.table = None
         self._writer = -1  # tenant index of the write making room now (for guaranteed shares)
         self.tenants.pool_bytes = sum(s.nbytes for s in self._slabs)
         for s in self._slabs:
@@ -74,6 +76,9 @@ class StoreBase:
             self._evictor.join(timeout=5)
         with self._lock:
             assert not any(self._cache.res.leases), "closing a store with live leases"
+            if self.table is not None:  # readers see its epoch change before the slab goes
+                self.table.close()
+                self.table = None
             for s in self._slabs:
                 s.close()
             self._cache.index.clear()
@@ -115,8 +120,24 @@ class StoreBase:
         if res.leases[node] == 0 and self._doomed[node]:
             self._cache.drop(node, "removed")
 
+    def _show(self, node: int, page: int | None = None) -> None:
+        """Lists a ready chunk of the DRAM slab in the page table (``page``: where it is moving to)."""
+        c = self._cache
+        if self.table is not None and self._ready[node] and (page is not None or c.node_tier[node] == 0):
+            page = c.node_page[node] if page is None else page
+            self.table.publish(bytes(c.node_key[node]), page * self.config.page_bytes, int(self._nbytes[node]),
+                               int(self._checksum[node]))
+
+    def _unshow(self, node: int) -> None:
+        """Takes a chunk out of the page table. NOTE: before its page is scrubbed, freed or reused: a
+        same-node reader copying it then fails its validation (kvpool.node.table)."""
+        key = self._cache.node_key[node]
+        if self.table is not None and key is not None:
+            self.table.withdraw(bytes(key))
+
     def _discard(self, node: int, reason: str) -> None:
         """Hides a chunk now; frees it now, or at its last release when leased."""
+        self._unshow(node)
         if self._cache.res.leases[node]:
             self._cache.hide(node)
             self._doomed[node] = True

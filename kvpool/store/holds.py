@@ -124,6 +124,7 @@ class HoldsMixin:
                 self._tenant[node] = hold.t_idx
                 self._shared[node] = hold.shared
                 self._ready[node] = True
+                self._show(node)
                 hold.charged -= nb
                 done.append(node)
                 self.metrics.puts.inc(1, tenant)

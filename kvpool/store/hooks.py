@@ -13,6 +13,8 @@ class HooksMixin(CacheHooks):
     # ------------------------------------------------------------------ cache hooks (lock held)
 
     def move(self, node: int, src_tier: int, src_page: int, dst_tier: int, dst_page: int) -> bool:
+        if src_tier == 0:
+            self._unshow(node)  # before the page it leaves is scrubbed or reused
         nb = int(self._nbytes[node])
         src = self._slabs[src_tier].page(src_page)[:nb]
         dst = self._slabs[dst_tier].page(dst_page)[:nb]
@@ -23,6 +25,8 @@ class HooksMixin(CacheHooks):
             if copy_with_checksum(dst, src) != int(self._checksum[node]):
                 return False
             self.metrics.promotions.inc(1, self.tier_names[dst_tier])
+            if dst_tier == 0:
+                self._show(node, dst_page)
         if self._scrubs(node):
             self._slabs[src_tier].page(src_page).fill(0)  # the page it left is free now
         return True
@@ -33,6 +37,7 @@ class HooksMixin(CacheHooks):
         return self.tenants.by_index(int(self._tenant[node])).scrub
 
     def dropped(self, node: int, tier: int, page: int, reason: str) -> None:
+        self._unshow(node)  # before the page is scrubbed or reused
         name = self.tier_names[tier]
         if reason == "evicted":
             self.metrics.evictions.inc(1, name)

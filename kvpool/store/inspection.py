@@ -40,6 +40,14 @@ class InspectionMixin:
                 for key, n in pairs if n is not None and self._ready[n]
             ]
 
+    def attach_table(self, table) -> None:
+        """Lists this store's ready DRAM chunks in ``table`` from now on (kvpool.node.table), those
+        held already included."""
+        with self._lock:
+            self.table = table
+            for node in self._cache.index.values():
+                self._show(node)
+
     def slab(self, tier: str) -> Slab:
         for s in self._slabs:
             if s.tier == tier:

@@ -119,6 +119,7 @@ class WritesMixin:
                     self._tenant[node] = t_idx
                     self._shared[node] = shared
                     self._ready[node] = True
+                    self._show(node)
                     writing = None
                     if request is not None and not request.cancelled:
                         request.nodes.append(node)  # stays leased: the request is streaming

@@ -1,0 +1,157 @@
+"""The node data path (issue 17): engines reach the pool through their node's shard, a Unix socket
+and shared memory, never Ray. Two Ray nodes on this machine, a Redis index of the test's own;
+``NodeClient`` is the engine's side (no Ray in it)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import ray
+from conftest import OwnRedis, make_keys, payload, wait_for
+
+from kvpool.cluster.bootstrap import shard_id_of, up
+from kvpool.cluster.local import local_cluster
+from kvpool.cluster.shard import shard_name
+from kvpool.errors import BadRequest, ChunkTooLarge, QuotaExceeded
+from kvpool.index.redis_index import RedisIndex
+from kvpool.node.client import NodeClient
+
+NS = "kvpool-node-path"
+PAGE = 64 << 10
+UP = {"store": {"page_bytes": PAGE, "dram_pages": 64},
+      "tenants": [{"id": "a"}, {"id": "b"}, {"id": "small", "quota_bytes": 4 * PAGE}],
+      "ttl_s": 1.5, "controller_interval_s": 0.5, "namespace": NS}
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    r = OwnRedis(tmp_path_factory.mktemp("redis"))
+    yield r
+    r.kill()
+
+
+@pytest.fixture(scope="module")
+def pool(redis, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("run"))
+    old = os.environ.get("KVPOOL_RUN_DIR")
+    os.environ["KVPOOL_RUN_DIR"] = run  # the shards (started below) inherit it
+    try:
+        with local_cluster(2, namespace=NS) as (c, nodes):
+            up(index_url=redis.url, **UP)
+            head = shard_id_of(ray.get_runtime_context().get_node_id())
+            other = shard_id_of(nodes[0].node_id)
+            wait_for(lambda: len([f for f in os.listdir(run) if f.endswith(".node")]) == 2, 30,
+                     what="both shards' node files")
+            yield {"run": run, "head": head, "other": other, "redis": redis}
+    finally:
+        if old is None:
+            os.environ.pop("KVPOOL_RUN_DIR", None)
+        else:
+            os.environ["KVPOOL_RUN_DIR"] = old
+
+
+def client(pool, which="head", **kw):
+    return NodeClient(shard=pool[which], directory=pool["run"], **kw)
+
+
+def ops(c: NodeClient) -> dict:
+    """The time the shard spent in each operation but ``stats`` (the asking itself)."""
+    return {k: v for k, v in c._call("stats", {})[0]["node_op_s"].items() if k != "stats"}
+
+
+def test_a_same_node_hit_costs_no_call_and_is_exact(pool):
+    c = client(pool)
+    keys = make_keys(4, seed=1)
+    data = [payload(i, PAGE) for i in range(4)]
+    assert c.put("a", keys, data) == 4
+    before = ops(c)
+    got = c.get("a", keys)
+    hit = c.lookup("a", keys)
+    assert ops(c) == before  # neither the read nor the lookup reached the shard
+    assert [bytes(g) for g in got] == [bytes(d) for d in data]
+    assert hit.count == 4 and set(hit.shards) == {pool["head"]}
+    outs = [np.zeros(PAGE, dtype=np.uint8) for _ in keys]
+    got = c.get("a", keys, outs=outs)
+    assert all(g.base is not None or g is o for g, o in zip(got, outs)) and bytes(outs[3]) == bytes(data[3])
+    c.close()
+
+
+def test_a_write_lands_on_the_writers_node_and_is_listed_in_the_index(pool):
+    c = client(pool, "other")
+    keys = make_keys(4, seed=2)
+    assert c.put("a", keys, [payload(i, PAGE) for i in range(4)]) == 4
+    idx = RedisIndex(pool["redis"].url)
+    try:
+        where = c.addresses("a", keys)
+        wait_for(lambda: idx.lookup(where).count == 4, 5, what="the publisher lists the chunks")
+        assert set(idx.lookup(where).shards) == {pool["other"]}  # all four on the writer's own node
+    finally:
+        idx.close()
+    c.close()
+
+
+def test_another_nodes_chunks_come_through_the_shard(pool):
+    writer, reader = client(pool, "other"), client(pool, "head")
+    keys = make_keys(3, seed=3)
+    data = [payload(10 + i, PAGE) for i in range(3)]
+    assert writer.put("a", keys, data) == 3
+    wait_for(lambda: reader.lookup("a", keys).count == 3, 5, what="the index lists the other node's chunks")
+    got = reader.get("a", keys)
+    assert [bytes(g) for g in got] == [bytes(d) for d in data]
+    assert reader.counts["get_remote"] >= 1
+    writer.close()
+    reader.close()
+
+
+def test_tenants_never_see_each_others_chunks_on_either_path(pool):
+    c, far = client(pool), client(pool, "other")
+    keys = make_keys(2, seed=4)
+    assert c.put("a", keys, [payload(i, PAGE) for i in range(2)]) == 2
+    time.sleep(0.3)  # published
+    for who in (c, far):
+        assert who.get("b", keys) == [] and who.lookup("b", keys).count == 0
+    assert c.put("b", keys, [payload(99, PAGE)] * 2) == 2  # b's own chunks under the same keys
+    assert bytes(c.get("a", keys)[0]) == bytes(payload(0, PAGE))
+    assert bytes(c.get("b", keys)[0]) == bytes(payload(99, PAGE))
+    c.close()
+    far.close()
+
+
+def test_bad_input_is_typed_and_a_tenants_quota_is_its_own_429(pool):
+    c = client(pool)
+    with pytest.raises(BadRequest):
+        c.put("a", [b"short"], [payload(0, 10)])
+    with pytest.raises(ChunkTooLarge):
+        c.put("a", make_keys(1, seed=5), [np.zeros(PAGE + 1, dtype=np.uint8)])
+    with pytest.raises(QuotaExceeded):
+        for i in range(20):  # the index refuses past 4 pages; the next write on this node is a 429
+            c.put("small", make_keys(1, seed=100 + i), [payload(i, PAGE)])
+            time.sleep(0.05)
+    assert c.get("a", make_keys(4, seed=1))  # others unaffected
+    c.close()
+
+
+def test_a_dead_shard_is_a_fast_miss_and_its_restart_is_found(pool):
+    c = client(pool, "other", timeout_s=1.0, retry_s=0.2)
+    keys = make_keys(2, seed=6)
+    assert c.put("a", keys, [payload(i, PAGE) for i in range(2)]) == 2
+    ray.kill(ray.get_actor(shard_name("default", pool["other"]), namespace=NS), no_restart=True)
+    wait_for(lambda: not os.path.exists(os.path.join(pool["run"], f"kvpool-default-{pool['other']}.sock"))
+             or c.put("a", make_keys(1, seed=9), [payload(0, PAGE)]) == 0, 10, what="the shard gone")
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert c.put("a", make_keys(1, seed=7), [payload(0, PAGE)]) == 0
+        c.get("a", keys)  # whatever the dead shard's memory still holds verifies, or is a miss
+        assert c.lookup("a", make_keys(2, seed=8)).count == 0
+    assert time.monotonic() - t0 < 5 * 3 * 1.0
+
+    def restarted():  # once the controller dropped the dead shard, `up` places a new one there
+        up(index_url=pool["redis"].url, **UP)
+        return c.put("a", keys, [payload(i, PAGE) for i in range(2)]) == 2
+
+    wait_for(restarted, 40, interval_s=1.0, what="a new shard on that node taking writes")
+    assert [bytes(g) for g in c.get("a", keys)] == [bytes(payload(i, PAGE)) for i in range(2)]
+    c.close()
