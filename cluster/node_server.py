@@ -24,20 +24,36 @@ import socket
 import threading
 import time
 
-from kvpool.cluster.messages import Reserve, Write
+from kvpool.cluster.messages import Put, Reserve, Write
+from kvpool.cluster.peers import PeerLinks, serve_peer_get
 from kvpool.cluster.publisher import Publisher
-from kvpool.errors import BadRequest, KvPoolError, PoolFull
+from kvpool.errors import BadRequest, KvPoolError, PoolFull, Unavailable
 from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import wire
 from kvpool.node.table import PageTable
 
 log = logging.getLogger("kvpool.node")
 RUN_DIR_ENV = "KVPOOL_RUN_DIR"
+PEER_OPS = frozenset({"peer_get"})
+LOADS_EVERY_S = 2.0
+SPILL_MARGIN = 0.10
 
 
 def run_dir() -> str | None:
     d = os.environ.get(RUN_DIR_ENV) or "/dev/shm"
     return d if os.path.isdir(d) else None
+
+
+def serve_node(shard, index_url: str | None):
+    """The node server of ``shard`` (a ShardActor, in its process), or None without a run dir."""
+    import ray
+
+    where = run_dir()
+    if where is None:
+        log.warning("shard %s: no run dir (%s): engines of this node cannot reach it", shard.shard_id, RUN_DIR_ENV)
+        return None
+    return NodeServer(shard, where, ray.get_runtime_context().namespace, index_url,
+                      host=ray.util.get_node_ip_address())
 
 
 def node_paths(directory: str, pool: str, shard_id: str) -> dict[str, str]:
@@ -48,7 +64,8 @@ def node_paths(directory: str, pool: str, shard_id: str) -> dict[str, str]:
 class NodeServer:
     """Serves the engines of this node for ``shard`` (a ShardActor instance, in its own process)."""
 
-    def __init__(self, shard, directory: str, namespace: str | None, index_url: str | None) -> None:
+    def __init__(self, shard, directory: str, namespace: str | None, index_url: str | None,
+                 host: str = "127.0.0.1") -> None:
         self.shard = shard
         self.namespace = namespace
         self.index_url = index_url
@@ -61,7 +78,10 @@ class NodeServer:
         self._client_lock = threading.Lock()
         self._stop = threading.Event()
         self.served = 0
-        self.op_time: dict[str, float] = {}  # seconds spent in each operation's handler
+        self.op_time: dict[str, float] = {}
+        self._other_loads: dict[str, tuple[int, int]] = {}
+        self._loads_at = float("-inf")
+        self._loads_lock = threading.Lock()  # seconds spent in each operation's handler
         path = self.paths["socket"]
         try:
             os.unlink(path)
@@ -71,16 +91,20 @@ class NodeServer:
         self.sock.bind(path)
         os.chmod(path, 0o600)
         self.sock.listen(64)
+        # Other shards read this one's chunks on this port (cluster/peers.py); only peer_get there.
+        self.peer_sock = socket.create_server((host, 0), backlog=64)
+        self.peer_address = f"{host}:{self.peer_sock.getsockname()[1]}"
+        self.links = PeerLinks(shard.auth.pool_credential())
         self.info = {"wire": wire.NODE_WIRE, "pool": shard.pool, "shard": shard.shard_id, "socket": path,
                      "table": self.paths["table"], "slab": slab.path, "page_bytes": slab.page_bytes,
                      "dram_pages": slab.num_pages, "incarnation": shard.incarnation, "pid": os.getpid(),
-                     "secured": shard.auth.secured}
+                     "secured": shard.auth.secured, "peer": self.peer_address}
         tmp = self.paths["node"] + f".{os.getpid()}.tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(self.info, f)
         os.replace(tmp, self.paths["node"])
-        self._accept = threading.Thread(target=self._serve, daemon=True, name="kvpool-node")
-        self._accept.start()
+        for listener, allowed in ((self.sock, None), (self.peer_sock, PEER_OPS)):
+            threading.Thread(target=self._serve, args=(listener, allowed), daemon=True, name="kvpool-node").start()
 
     def close(self) -> None:
         self._stop.set()
@@ -91,21 +115,26 @@ class NodeServer:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for listener in (self.sock, self.peer_sock):
+            try:
+                listener.close()
+            except OSError:
+                pass
+        self.links.close()
 
     # ---------------------------------------------------------------- connections
-    def _serve(self) -> None:
+    def _serve(self, listener: socket.socket, allowed: frozenset | None) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self.sock.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._connection, args=(conn,), daemon=True, name="kvpool-node-conn").start()
+            if allowed is not None:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._connection, args=(conn, allowed), daemon=True,
+                             name="kvpool-node-conn").start()
 
-    def _connection(self, sock: socket.socket) -> None:
+    def _connection(self, sock: socket.socket, allowed: frozenset | None = None) -> None:
         conn = wire.Channel(sock)
         with sock:
             while not self._stop.is_set():
@@ -118,19 +147,19 @@ class NodeServer:
                     return  # not a kvpool engine: hang up
                 op, args = header
                 deadline = time.monotonic() + min(max(float(args.pop("timeout_s", 5.0)), 0.01), 120.0)
-                payloads = []
+                payloads, after = [], None
                 try:
                     lens = args.pop("lens", None)
                     if lens:
                         args["payloads"] = conn.recv_payloads(lens, deadline=deadline)
-                    handler = getattr(self, "op_" + op, None)
+                    handler = getattr(self, "op_" + op, None) if allowed is None or op in allowed else None
                     if handler is None:
                         raise BadRequest(f"unknown node operation {op!r}: is the engine's kvpool the shard's release?")
                     t0 = time.perf_counter()
                     result = handler(deadline=deadline, **args)
                     self.op_time[op] = self.op_time.get(op, 0.0) + time.perf_counter() - t0
                     if isinstance(result, tuple):
-                        result, payloads = result
+                        result, payloads, after = result if len(result) == 3 else (*result, None)
                     reply = [True, result, [int(p.nbytes) for p in payloads]]
                 except KvPoolError as e:
                     reply, payloads = [False, wire.encode_error(e), []], []
@@ -144,6 +173,9 @@ class NodeServer:
                     conn.send(reply, payloads, deadline=max(deadline, time.monotonic() + 1.0))
                 except (OSError, KvPoolError):
                     return
+                finally:
+                    if after is not None:
+                        after()  # e.g. a lease on the pages just sent
 
     # ---------------------------------------------------------------- the pool beyond this shard
     def _pool(self):
@@ -182,6 +214,8 @@ class NodeServer:
         refused = self.publisher.refused(self.shard._who(credential).tenant)
         if refused is not None:
             raise refused  # the index refused this tenant's last writes here: over its quota
+        if self._spill(len(sizes)) is not None:
+            return {"full": True}  # this node would evict to take them while another has room
         write = Write(list(keys), credential, shared, first_position, request_id)
         try:
             r = self.shard.reserve(Reserve(write, list(sizes)))
@@ -204,17 +238,112 @@ class NodeServer:
 
     def op_put(self, credential: str, keys: list, payloads: list, deadline: float, shared: bool = False,
                first_position: int = 0) -> int:
-        """Chunks this node could not take, placed on the rest of the pool (bytes over Ray)."""
+        """Chunks this node could not take without evicting: stored on the shard with the most room
+        (bytes over Ray), else here after all."""
+        import ray
+
         self.shard._who(credential)
-        return self._pool().put(credential, self._keys(keys, shared), payloads, shared=shared,
-                                first_position=first_position)
+        target = self._spill(len(keys))
+        if target is None:
+            r = self.shard.put(Put(Write(list(keys), credential, shared, first_position), payloads))
+            return int(r)
+        handle = self._pool()._view.handles.get(target)
+        if handle is None:
+            return 0
+        put = Put(Write(list(keys), credential, shared, first_position), payloads)
+        try:
+            return int(ray.get(handle.put.remote(put), timeout=max(deadline - time.monotonic(), 0.01)))
+        except Exception as e:  # noqa: BLE001 - the shard's own typed error, else a failed put
+            from kvpool.cluster.client_state import cause
+
+            err = cause(e)
+            raise err if isinstance(err, KvPoolError) else Unavailable(f"spilling to {target} failed") from None
+
+    def _spill(self, pages: int) -> str | None:
+        """Locality first, load bounded: the shard where ``pages`` new chunks go instead of this
+        one, or None to keep them here. They stay here while this node has free pages; when it
+        would have to evict, they go to the shard with the most free pages (measured every
+        ``LOADS_EVERY_S``) if it has room for them and at least ``SPILL_MARGIN`` of its DRAM more
+        free than this one."""
+        c = self.shard.store._cache
+        free, total = c.tier_pages[0] - c.tier_used(0), max(c.tier_pages[0], 1)
+        if free >= pages:
+            return None
+        loads = self._loads()
+        if not loads:
+            return None
+        sid, theirs = max(loads.items(), key=lambda kv: kv[1][0])
+        if theirs[0] >= pages and theirs[0] / max(theirs[1], 1) - free / total >= SPILL_MARGIN:
+            return sid
+        return None
+
+    def _loads(self) -> dict[str, tuple[int, int]]:
+        """Other shards' (free, total) DRAM pages, refreshed in the background."""
+        now = time.monotonic()
+        if now - self._loads_at >= LOADS_EVERY_S and self._loads_lock.acquire(blocking=False):
+            self._loads_at = now
+            threading.Thread(target=self._refresh_loads, daemon=True, name="kvpool-loads").start()
+        return self._other_loads
+
+    def _refresh_loads(self) -> None:
+        import ray
+
+        try:
+            view = self._pool()._view
+            refs = {sid: h.free_pages.remote() for sid, h in view.handles.items() if sid != self.shard.shard_id}
+            out = {}
+            for sid, ref in refs.items():
+                try:
+                    out[sid] = (int(ray.get(ref, timeout=1.0)), int(view.shards[sid].get("dram_pages", 0)))
+                except Exception:  # noqa: BLE001 - a shard that does not answer takes nothing
+                    continue
+            self._other_loads = out
+        except Exception:  # noqa: BLE001 - placement falls back to this node
+            log.exception("node: refreshing the shards' loads failed")
+        finally:
+            self._loads_lock.release()
 
     def op_get(self, credential: str, keys: list, deadline: float, shared: bool = False) -> tuple[int, list]:
-        """The leading run of ``keys`` from wherever the index lists them (this shard's disk tier,
-        other nodes); bytes come back as the reply's payloads."""
-        self.shard._who(credential)
-        arrays = self._pool().get(credential, self._keys(keys, shared))
-        return len(arrays), arrays
+        """The leading run of ``keys`` from wherever the index lists them: this shard's own store
+        (a chunk on its disk tier), other shards straight from their peer port (cluster/peers.py),
+        or through Ray for a shard that has none. Bytes come back as the reply's payloads."""
+        p = self.shard._who(credential)
+        pool = self._pool()
+        ks = self._keys(keys, shared)
+        hit = pool.index.lookup(pool.addresses(credential, ks))
+        out: list = []
+        i = 0
+        shards = pool.shards
+        while i < hit.count:
+            sid = hit.shards[i]
+            j = i
+            while j < hit.count and hit.shards[j] == sid:
+                j += 1
+            run = ks[i:j]
+            try:
+                if sid == self.shard.shard_id:
+                    got = []
+                    for a in self.shard.store.get_many(self.shard._where(p, run, shared), p.tenant):
+                        if a is None:
+                            break
+                        got.append(a)
+                elif shards.get(sid, {}).get("peer"):
+                    got = self.links.fetch(shards[sid]["peer"], credential, [bytes(k) for k in run], shared, deadline)
+                else:
+                    got = pool.get(credential, run)
+            except KvPoolError as e:
+                if e.status in (401, 403):
+                    raise
+                log.warning("node: reading %d chunks from shard %s failed (%s): a miss", len(run), sid, e)
+                break
+            out.extend(got)
+            if len(got) < len(run):
+                break
+            i = j
+        return len(out), out
+
+    def op_peer_get(self, pool: str, credential: str, keys: list, deadline: float, shared: bool = False):
+        return serve_peer_get(self.shard, pool, credential, keys, shared)
 
     def op_begin(self, credential: str, keys: list, deadline: float, priority: str | None = None,
                  shared: bool = False) -> dict:
@@ -236,4 +365,5 @@ class NodeServer:
         self._pool().controller.report.remote(str(name), dict(figures))
 
     def op_stats(self, deadline: float) -> dict:
-        return {**self.shard.stats(), "node_op_s": dict(self.op_time)}
+        return {**self.shard.stats(), "node_op_s": dict(self.op_time), "peer_fetched": self.links.fetched,
+                "peer_failed": self.links.failed}

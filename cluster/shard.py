@@ -104,13 +104,9 @@ class ShardActor(Drills):
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="kvpool-heartbeat")
         self._beat.start()
-        self.node = None  # engines of this node reach the shard here, without Ray (cluster/node_server.py)
-        if cfg["dram_dir"]:
-            from kvpool.cluster.node_server import NodeServer, run_dir
+        from kvpool.cluster.node_server import serve_node
 
-            where = run_dir()
-            if where:
-                self.node = NodeServer(self, where, ray.get_runtime_context().namespace, index_url)
+        self.node = serve_node(self, index_url) if cfg["dram_dir"] else None  # engines reach it here, without Ray
 
     # ---------------------------------------------------------------- membership
     def _join(self) -> None:
@@ -198,7 +194,8 @@ class ShardActor(Drills):
     def info(self) -> dict:
         st = self.store
         return {"shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
-                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "incarnation": self.incarnation}
+                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "incarnation": self.incarnation,
+                "peer": None if self.node is None else self.node.peer_address}
 
     def reconcile(self) -> dict:
         """Makes the index list what this shard holds. What the index refuses (a tenant over its
@@ -397,3 +394,6 @@ class ShardActor(Drills):
 
     def ping(self) -> float:
         return time.time()
+
+    def free_pages(self) -> int:  # of its DRAM tier: a node without room spills to one with room
+        return self.store._cache.tier_pages[0] - self.store._cache.tier_used(0)

@@ -93,6 +93,31 @@ def test_a_write_lands_on_the_writers_node_and_is_listed_in_the_index(pool):
     c.close()
 
 
+def test_a_node_without_room_spills_to_the_one_with_room(pool):
+    c = client(pool)
+    free = lambda sid: ray.get(ray.get_actor(shard_name("default", sid), namespace=NS).free_pages.remote())  # noqa: E731
+    n = 0
+    while free(pool["head"]) >= 8:  # fill this node's DRAM
+        assert c.put("b", make_keys(8, seed=1000 + n), [payload(i, PAGE) for i in range(8)]) == 8
+        n += 1
+    assert free(pool["other"]) >= 16
+    idx = RedisIndex(pool["redis"].url)
+    try:
+        def spilled():
+            keys = make_keys(8, seed=2000 + spilled.n)
+            spilled.n += 1
+            assert c.put("b", keys, [payload(i, PAGE) for i in range(8)]) == 8
+            where = c.addresses("b", keys)
+            wait_for(lambda: idx.lookup(where).count == 8, 5, what="listed")
+            return set(idx.lookup(where).shards) == {pool["other"]}
+        spilled.n = 0
+        wait_for(spilled, 10, interval_s=0.5, what="a put spilled to the node with room")
+    finally:
+        idx.close()
+    assert c.counts["put_forwarded"] >= 1
+    c.close()
+
+
 def test_another_nodes_chunks_come_through_the_shard(pool):
     writer, reader = client(pool, "other"), client(pool, "head")
     keys = make_keys(3, seed=3)
@@ -102,6 +127,7 @@ def test_another_nodes_chunks_come_through_the_shard(pool):
     got = reader.get("a", keys)
     assert [bytes(g) for g in got] == [bytes(d) for d in data]
     assert reader.counts["get_remote"] >= 1
+    assert reader._call("stats", {})[0]["peer_fetched"] >= 3  # straight from the other shard, not through Ray
     writer.close()
     reader.close()
 
@@ -126,11 +152,13 @@ def test_bad_input_is_typed_and_a_tenants_quota_is_its_own_429(pool):
         c.put("a", [b"short"], [payload(0, 10)])
     with pytest.raises(ChunkTooLarge):
         c.put("a", make_keys(1, seed=5), [np.zeros(PAGE + 1, dtype=np.uint8)])
+    mine = make_keys(2, seed=50)
+    assert c.put("a", mine, [payload(i, PAGE) for i in range(2)]) == 2
     with pytest.raises(QuotaExceeded):
         for i in range(20):  # the index refuses past 4 pages; the next write on this node is a 429
             c.put("small", make_keys(1, seed=100 + i), [payload(i, PAGE)])
             time.sleep(0.05)
-    assert c.get("a", make_keys(4, seed=1))  # others unaffected
+    assert len(c.get("a", mine)) == 2  # another tenant's chunks unaffected
     c.close()
 
 
