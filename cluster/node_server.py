@@ -36,6 +36,7 @@ log = logging.getLogger("kvpool.node")
 RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 PEER_OPS = frozenset({"peer_get"})
 LOADS_EVERY_S = 2.0
+MAX_KEYS = 2048  # chunks in one call
 SPILL_MARGIN = 0.10
 
 
@@ -150,6 +151,9 @@ class NodeServer:
                 payloads, after = [], None
                 try:
                     lens = args.pop("lens", None)
+                    if lens is not None and (not isinstance(lens, list) or len(lens) > MAX_KEYS or not all(
+                            isinstance(n, int) and 0 <= n <= self.info["page_bytes"] for n in lens)):
+                        return  # payloads no page holds, or not a kvpool engine: hang up before reading them
                     if lens:
                         args["payloads"] = conn.recv_payloads(lens, deadline=deadline)
                     handler = getattr(self, "op_" + op, None) if allowed is None or op in allowed else None
