@@ -24,12 +24,16 @@ import socket
 import threading
 import time
 
-from kvpool.cluster.messages import Put, Reserve, Write
+from kvpool.checksum import copy_with_checksum
+from kvpool.cluster.messages import Put, Write
 from kvpool.cluster.peers import PeerLinks, serve_peer_get
 from kvpool.cluster.publisher import Publisher
+from kvpool.cluster.shard_access import joined_request, where, who, writer
 from kvpool.errors import BadRequest, KvPoolError, PoolFull, Unavailable
 from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import wire
+from kvpool.node.staging import SUFFIX as STAGE_SUFFIX
+from kvpool.node.staging import Stage
 from kvpool.node.table import PageTable
 
 log = logging.getLogger("kvpool.node")
@@ -37,6 +41,7 @@ RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 PEER_OPS = frozenset({"peer_get"})
 LOADS_EVERY_S = 2.0
 MAX_KEYS = 2048  # chunks in one call
+CONNECTION_OPS = frozenset({"stage", "put_staged"})
 SPILL_MARGIN = 0.10
 
 
@@ -49,10 +54,15 @@ def serve_node(shard, index_url: str | None):
     """The node server of ``shard`` (a ShardActor, in its process), or None without a run dir."""
     import ray
 
+    from kvpool.slab import sweep_orphans
+
     where = run_dir()
     if where is None:
         log.warning("shard %s: no run dir (%s): engines of this node cannot reach it", shard.shard_id, RUN_DIR_ENV)
         return None
+    for suffix in (".kvtable", STAGE_SUFFIX):
+        for path in sweep_orphans(where, f"kvpool-{shard.pool}-", suffix=suffix):
+            log.warning("shard %s: removed %s of a shard that is gone", shard.shard_id, path)
     return NodeServer(shard, where, ray.get_runtime_context().namespace, index_url,
                       host=ray.util.get_node_ip_address())
 
@@ -137,6 +147,15 @@ class NodeServer:
 
     def _connection(self, sock: socket.socket, allowed: frozenset | None = None) -> None:
         conn = wire.Channel(sock)
+        state: dict = {}  # this connection's: its staging file
+        try:
+            self._serve_connection(conn, sock, allowed, state)
+        finally:
+            if state.get("stage") is not None:
+                state["stage"].close()
+
+    def _serve_connection(self, conn: wire.Channel, sock: socket.socket, allowed: frozenset | None,
+                          state: dict) -> None:
         with sock:
             while not self._stop.is_set():
                 try:
@@ -160,6 +179,8 @@ class NodeServer:
                     if handler is None:
                         raise BadRequest(f"unknown node operation {op!r}: is the engine's kvpool the shard's release?")
                     t0 = time.perf_counter()
+                    if op in CONNECTION_OPS:
+                        args["conn"] = state
                     result = handler(deadline=deadline, **args)
                     self.op_time[op] = self.op_time.get(op, 0.0) + time.perf_counter() - t0
                     if isinstance(result, tuple):
@@ -207,7 +228,7 @@ class NodeServer:
 
     def op_lookup(self, credential: str, keys: list, deadline: float, shared: bool = False) -> dict:
         """The leading run the pool's index lists for the caller (verified here)."""
-        self.shard._who(credential)
+        who(self.shard, credential)
         hit = self._pool().lookup(credential, self._keys(keys, shared))
         return {"count": hit.count, "shards": list(hit.shards), "error": hit.error}
 
@@ -215,30 +236,76 @@ class NodeServer:
                    first_position: int = 0, request_id: int | None = None) -> dict:
         """Pages of this node's slab for a write; ``full`` when this shard cannot take them (the
         engine then sends the bytes and this shard places them elsewhere: ``op_put``)."""
-        refused = self.publisher.refused(self.shard._who(credential).tenant)
-        if refused is not None:
-            raise refused  # the index refused this tenant's last writes here: over its quota
+        shard = self.shard
+        p, addresses, _ = self._writer(credential, keys, shared)
         if self._spill(len(sizes)) is not None:
             return {"full": True}  # this node would evict to take them while another has room
-        write = Write(list(keys), credential, shared, first_position, request_id)
+        raw = dict(zip(addresses, keys))
         try:
-            r = self.shard.reserve(Reserve(write, list(sizes)))
+            hid, places = shard.store.reserve(addresses, list(sizes), p.tenant, shared=shared,
+                                              first_position=first_position,
+                                              request=joined_request(shard, request_id, p.tenant))
         except PoolFull:
             return {"full": True}
-        return {"hold": r.hold_id, "places": [[p.key, p.offset, p.nbytes] for p in r.places]}
+        shard._reserved[hid] = [pl.key for pl in places]  # what its commit publishes
+        return {"hold": hid, "places": [[raw[pl.key], pl.offset, pl.nbytes] for pl in places]}
+
+    def _writer(self, credential: str, keys: list, shared: bool):
+        """The verified writer and its addresses; its 429 when the index refused its last writes
+        here; 503 when this shard was dropped from the pool (fenced)."""
+        if self.shard.fenced:
+            raise Unavailable(f"shard {self.shard.shard_id} was dropped from the pool (fenced)")
+        p, addresses, _ = writer(self.shard, credential, self._keys(keys), shared)
+        refused = self.publisher.refused(p.tenant)
+        if refused is not None:
+            raise refused  # over its quota across the pool
+        return p, addresses, None
+
+    def op_stage(self, deadline: float, conn: dict) -> dict:
+        """This connection's staging file (kvpool.node.staging), created on first ask."""
+        if conn.get("stage") is None:
+            conn["stage"] = Stage.create(os.path.dirname(self.paths["node"]), self.shard.pool)
+        return {"path": conn["stage"].path, "nbytes": conn["stage"].nbytes}
+
+    def op_put_staged(self, credential: str, keys: list, sizes: list, offsets: list, deadline: float, conn: dict,
+                      shared: bool = False, first_position: int = 0, request_id: int | None = None):
+        """Small chunks in one call: reserved, copied from the connection's staging file with their
+        checksums computed in the same pass, committed (published just after)."""
+        shard, stage = self.shard, conn.get("stage")
+        if stage is None:
+            raise BadRequest("put_staged needs this connection's staging file: ask for it with 'stage' first")
+        if not isinstance(offsets, list) or not isinstance(sizes, list) or len(offsets) != len(sizes) != len(keys):
+            raise BadRequest("put_staged takes one offset and one size per key")
+        p, addresses, _ = self._writer(credential, keys, shared)
+        if self._spill(len(sizes)) is not None:
+            return {"full": True}
+        src = dict(zip(addresses, (stage.region(o, n) for o, n in zip(offsets, sizes))))  # checked before anything
+        hid, places = shard.store.reserve(addresses, list(sizes), p.tenant, shared=shared, first_position=first_position,
+                                          request=joined_request(shard, request_id, p.tenant))
+        slab = shard.store.slab("dram").buf
+        try:
+            sums = [copy_with_checksum(slab[pl.offset : pl.offset + pl.nbytes], src[pl.key]) for pl in places]
+        except BaseException:
+            shard.store.abort(hid)
+            raise
+        n = shard.store.commit(hid, sums)
+        self.publisher.enqueue([pl.key for pl in places][:n])
+        return n
 
     def op_commit(self, credential: str, hold: int, keys: list, checksums: list, deadline: float) -> int:
         """The copies are done: the chunks are findable on this node now, and published to the
         index just after (cluster/publisher.py), off the engine's path."""
         shard = self.shard
-        if not isinstance(hold, int) or not shard._own_hold(hold, credential):
+        if not isinstance(hold, int) or shard.store.hold_owner(hold) != who(shard, credential).tenant:
             raise BadRequest(f"no reservation {hold} of this caller: it was committed, aborted or expired")
         n = shard.store.commit(hold, checksums)
         self.publisher.enqueue(shard._reserved.pop(hold, [])[:n])
         return n
 
     def op_abort(self, credential: str, hold: int, deadline: float) -> None:
-        self.shard.abort(hold, credential)
+        if isinstance(hold, int) and self.shard.store.hold_owner(hold) == who(self.shard, credential).tenant:
+            self.shard.store.abort(hold)
+            self.shard._reserved.pop(hold, None)
 
     def op_put(self, credential: str, keys: list, payloads: list, deadline: float, shared: bool = False,
                first_position: int = 0) -> int:
@@ -246,7 +313,7 @@ class NodeServer:
         (bytes over Ray), else here after all."""
         import ray
 
-        self.shard._who(credential)
+        who(self.shard, credential)
         target = self._spill(len(keys))
         if target is None:
             r = self.shard.put(Put(Write(list(keys), credential, shared, first_position), payloads))
@@ -311,7 +378,7 @@ class NodeServer:
         """The leading run of ``keys`` from wherever the index lists them: this shard's own store
         (a chunk on its disk tier), other shards straight from their peer port (cluster/peers.py),
         or through Ray for a shard that has none. Bytes come back as the reply's payloads."""
-        p = self.shard._who(credential)
+        p = who(self.shard, credential)
         pool = self._pool()
         ks = self._keys(keys, shared)
         hit = pool.index.lookup(pool.addresses(credential, ks))
@@ -327,7 +394,7 @@ class NodeServer:
             try:
                 if sid == self.shard.shard_id:
                     got = []
-                    for a in self.shard.store.get_many(self.shard._where(p, run, shared), p.tenant):
+                    for a in self.shard.store.get_many(where(p, run, shared), p.tenant):
                         if a is None:
                             break
                         got.append(a)
@@ -351,18 +418,18 @@ class NodeServer:
 
     def op_begin(self, credential: str, keys: list, deadline: float, priority: str | None = None,
                  shared: bool = False) -> dict:
-        self.shard._who(credential)
+        who(self.shard, credential)
         req = self._pool().begin(credential, self._keys(keys, shared), priority)
         return {"requests": dict(req.shard_requests), "count": req.hit_chunks}
 
     def op_end(self, credential: str, requests: dict, deadline: float) -> None:
         from kvpool.cluster.client_state import ClusterRequest
 
-        self.shard._who(credential)
+        who(self.shard, credential)
         self._pool().end(ClusterRequest(credential, {str(k): int(v) for k, v in requests.items()}, 0))
 
     def op_pin(self, credential: str, keys: list, deadline: float, shared: bool = False) -> int:
-        self.shard._who(credential)
+        who(self.shard, credential)
         return self._pool().pin(credential, self._keys(keys, shared))
 
     def op_report(self, name: str, figures: dict, deadline: float) -> None:

@@ -90,9 +90,10 @@ def serve_peer_get(shard, pool: str, credential: str, keys: list, shared: bool):
     """A peer shard's read of the leading run of a tenant's chunks held here: (result, payloads)
     and a callback that ends the lease once the payloads are sent."""
     shard.auth.require(pool, "reading chunks for another shard", "pool")
-    p = shard._who(credential)
-    where = shard._where(p, keys, shared)
-    hold, places = shard.store.lease_reads(where, p.tenant)
+    from kvpool.cluster.shard_access import where, who
+
+    p = who(shard, credential)
+    hold, places = shard.store.lease_reads(where(p, keys, shared), p.tenant)
     buf = shard.store.slab("dram").buf
     payloads = [buf[pl.offset : pl.offset + pl.nbytes] for pl in places if pl is not None]
     sums = [int(pl.checksum) for pl in places if pl is not None]

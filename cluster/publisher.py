@@ -20,6 +20,10 @@ from kvpool.errors import KvPoolError, QuotaExceeded
 
 log = logging.getLogger("kvpool.shard")
 REFUSED_S = 5.0
+# NOTE: the thread gathers for this long after a commit before publishing: a stream of writes is
+# published in a few batches instead of one index call per write, which competed with the writes'
+# own handling for the shard process's interpreter. Other nodes see a chunk this much later.
+LINGER_S = 0.005
 
 
 class Publisher:
@@ -72,6 +76,8 @@ class Publisher:
                     self._cv.wait()
                 if self._stop:
                     return
+            time.sleep(LINGER_S)  # more commits join this batch meanwhile
+            with self._cv:
                 keys, self._pending = self._pending, []
                 self._busy = True
             try:

@@ -21,7 +21,7 @@ import uuid
 
 import ray
 
-from kvpool.auth import Authority, Principal, scope_tag, scoped
+from kvpool.auth import Authority, Principal
 from kvpool.cluster.messages import (
     Commit,
     Get,
@@ -34,6 +34,7 @@ from kvpool.cluster.messages import (
     Reserved,
     check_version,
 )
+from kvpool.cluster.shard_access import joined_request, where, who, writer
 from kvpool.cluster.shard_drills import DRILLS_ENV, Drills
 from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded, Unavailable
 from kvpool.index import open_index
@@ -49,10 +50,6 @@ RECONCILE_EVERY = 6  # heartbeats (ttl/3 each) between two reconciles with the i
 
 def shard_name(pool: str, shard_id: str) -> str:
     return f"kvpool-shard-{pool}-{shard_id}"
-
-
-def _keys(raw) -> list[ChunkKey]:
-    return [k if isinstance(k, ChunkKey) else ChunkKey(bytes(k)) for k in raw]
 
 
 def tenants_to_register(config: list[dict], known: set[str]) -> list[dict]:
@@ -75,7 +72,8 @@ class ShardActor(Drills):
         # The pool secret comes with the actor's environment (bootstrap.up) or a mounted file.
         self.auth = Authority.from_env()
         cfg = dict(store)
-        cfg.setdefault("dram_dir", SHM_DIR if os.path.isdir(SHM_DIR) else None)
+        run = os.environ.get("KVPOOL_RUN_DIR") or SHM_DIR  # beside the node files: engines map it from there
+        cfg.setdefault("dram_dir", run if os.path.isdir(run) else None)
         cfg["name"] = f"{pool}-{shard_id}"
         if cfg["dram_dir"]:
             from kvpool.slab import sweep_orphans
@@ -215,24 +213,13 @@ class ShardActor(Drills):
     # ---------------------------------------------------------------- same node (shared memory)
     # ---------------------------------------------------------------- who and where
     def _who(self, credential: str) -> Principal:
-        """The verified caller (401 without a credential of this pool's secret; 404 for a tenant
-        this shard does not serve)."""
-        p = self.auth.verify(credential)
-        self.store.tenants.index(p.tenant)
-        return p
+        return who(self, credential)
 
     def _where(self, p: Principal, raw, shared: bool) -> list[ChunkKey]:
-        """The store's addresses of a caller's keys: its own scope, or the shared one."""
-        return scoped(_keys(raw), scope_tag(None if shared else p.tenant))
+        return where(p, raw, shared)
 
     def _writer(self, w) -> tuple[Principal, list[ChunkKey], ChunkKey | None]:
-        p = self._who(w.credential)
-        if not isinstance(w.shared, bool):
-            raise BadRequest(f"shared must be True or False, got {w.shared!r}")
-        if w.shared and not p.operator:
-            raise Forbidden(f"only an operator writes the shared namespace; {p.tenant!r} presented a {p.role} credential")
-        parent = None if w.parent is None else self._where(p, [w.parent], w.shared)[0]
-        return p, self._where(p, w.keys, w.shared), parent
+        return writer(self, w.credential, w.keys, w.shared, w.parent)
 
     def _own_hold(self, hold_id: int, credential: str) -> bool:
         """Whether ``hold_id`` is the caller's (another tenant's hold is left alone, silently)."""
@@ -289,11 +276,7 @@ class ShardActor(Drills):
         return req.id
 
     def _request(self, request_id: int | None, tenant: str):
-        """The request in flight a write joins (its chunks stay leased until it ends); None for a
-        request this shard does not know (expired, begun before a restart) or another tenant's:
-        the write goes on, unleased."""
-        entry = self._requests.get(request_id) if request_id is not None else None
-        return None if entry is None or entry[0].cancelled or entry[0].tenant != tenant else entry[0]
+        return joined_request(self, request_id, tenant)
 
     def end(self, request_id: int, credential: str) -> bool:
         """Ends the caller's request; False when it was unknown (expired, or the shard restarted)

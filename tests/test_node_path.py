@@ -93,31 +93,6 @@ def test_a_write_lands_on_the_writers_node_and_is_listed_in_the_index(pool):
     c.close()
 
 
-def test_a_node_without_room_spills_to_the_one_with_room(pool):
-    c = client(pool)
-    free = lambda sid: ray.get(ray.get_actor(shard_name("default", sid), namespace=NS).free_pages.remote())  # noqa: E731
-    n = 0
-    while free(pool["head"]) >= 8:  # fill this node's DRAM
-        assert c.put("b", make_keys(8, seed=1000 + n), [payload(i, PAGE) for i in range(8)]) == 8
-        n += 1
-    assert free(pool["other"]) >= 16
-    idx = RedisIndex(pool["redis"].url)
-    try:
-        def spilled():
-            keys = make_keys(8, seed=2000 + spilled.n)
-            spilled.n += 1
-            assert c.put("b", keys, [payload(i, PAGE) for i in range(8)]) == 8
-            where = c.addresses("b", keys)
-            wait_for(lambda: idx.lookup(where).count == 8, 5, what="listed")
-            return set(idx.lookup(where).shards) == {pool["other"]}
-        spilled.n = 0
-        wait_for(spilled, 10, interval_s=0.5, what="a put spilled to the node with room")
-    finally:
-        idx.close()
-    assert c.counts["put_forwarded"] >= 1
-    c.close()
-
-
 def test_another_nodes_chunks_come_through_the_shard(pool):
     writer, reader = client(pool, "other"), client(pool, "head")
     keys = make_keys(3, seed=3)
@@ -182,4 +157,58 @@ def test_a_dead_shard_is_a_fast_miss_and_its_restart_is_found(pool):
 
     wait_for(restarted, 40, interval_s=1.0, what="a new shard on that node taking writes")
     assert [bytes(g) for g in c.get("a", keys)] == [bytes(payload(i, PAGE)) for i in range(2)]
+    c.close()
+
+
+def test_small_writes_go_through_the_connections_staging_file_in_one_call(pool):
+    c = client(pool)
+    keys = make_keys(3, seed=60)
+    assert c.put("a", keys, [payload(i, PAGE) for i in range(3)]) == 3
+    assert c.counts["put_staged"] == 1 and c.counts["put_shm"] == 0
+    before = ops(c)
+    assert c.put("a", make_keys(2, seed=61), [payload(i, PAGE) for i in range(2)]) == 2
+    after = ops(c)
+    assert set(after) - {"put_staged"} <= set(before) and after.get("reserve") == before.get("reserve")
+    assert [bytes(a) for a in c.get("a", keys)] == [bytes(payload(i, PAGE)) for i in range(3)]
+    stages = [ch.stage.path for ch in c._idle if getattr(ch, "stage", None) is not None]
+    assert stages and all(os.stat(path).st_mode & 0o777 == 0o600 for path in stages)
+    # the shard checks what the engine says about the staging file
+    with pytest.raises(BadRequest, match="outside"):
+        c._call("put_staged", {"credential": "a", "keys": [bytes(make_keys(1, seed=62)[0])], "sizes": [PAGE],
+                               "offsets": [(8 << 20) - 16]}, prepare=lambda ch, args, d: args)
+    c.close()
+    wait_for(lambda: not [path for path in stages if os.path.exists(path)], 5,
+             what="the staging files removed with their connections")
+
+
+def test_put_staged_needs_a_staging_file_first(pool):
+    c = NodeClient(shard=pool["head"], directory=pool["run"])
+    with pytest.raises(BadRequest, match="stage"):
+        c._call("put_staged", {"credential": "a", "keys": [bytes(make_keys(1, seed=63)[0])], "sizes": [16],
+                               "offsets": [0]})
+    c.close()
+
+
+def test_a_node_without_room_spills_to_the_one_with_room(pool):  # last: it fills the head node
+    c = client(pool)
+    free = lambda sid: ray.get(ray.get_actor(shard_name("default", sid), namespace=NS).free_pages.remote())  # noqa: E731
+    n = 0
+    while free(pool["head"]) >= 8:  # fill this node's DRAM
+        assert c.put("b", make_keys(8, seed=1000 + n), [payload(i, PAGE) for i in range(8)]) == 8
+        n += 1
+    assert free(pool["other"]) >= 16
+    idx = RedisIndex(pool["redis"].url)
+    try:
+        def spilled():
+            keys = make_keys(8, seed=2000 + spilled.n)
+            spilled.n += 1
+            assert c.put("b", keys, [payload(i, PAGE) for i in range(8)]) == 8
+            where = c.addresses("b", keys)
+            wait_for(lambda: idx.lookup(where).count == 8, 5, what="listed")
+            return set(idx.lookup(where).shards) == {pool["other"]}
+        spilled.n = 0
+        wait_for(spilled, 10, interval_s=0.5, what="a put spilled to the node with room")
+    finally:
+        idx.close()
+    assert c.counts["put_forwarded"] >= 1
     c.close()

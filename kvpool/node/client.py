@@ -39,17 +39,17 @@ from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
 from kvpool.errors import BadRequest, ChunkTooLarge, KvPoolError, Unavailable
 from kvpool.index.base import MISS, PrefixHit
-from kvpool.keys import KEY_BYTES, ChunkKey, is_shared
+from kvpool.keys import ChunkKey, is_shared
 from kvpool.node import wire
-from kvpool.node.table import PageTable
-from kvpool.slab import Slab
+from kvpool.node.attach import Attached as _Attached
+from kvpool.node.attach import node_stat as _stat
+from kvpool.node.checks import RAISED, check_put, expired
+from kvpool.node.staging import STAGE_BYTES, Stage
 
 log = logging.getLogger("kvpool.node")
 RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 SHARD_ENV = "KVPOOL_SHARD"
 RECHECK_S = 1.0  # how often reads look whether the shard behind the mapped table changed
-# What reaches the caller: its own bad input, a refused credential, its tenant's 429.
-_RAISED = (400, 401, 403, 404, 413, 429)
 
 
 @dataclass
@@ -63,31 +63,6 @@ class NodeRequest:
     @property
     def tenant(self) -> str:
         return claimed_tenant(self.credential)
-
-
-class _Attached:
-    """The shard this client currently maps: its info, page table and slab."""
-
-    def __init__(self, info: dict, node_path: str) -> None:
-        self.info = info
-        self.node_path = node_path
-        self.stat = _stat(node_path)
-        self.table = PageTable.attach(info["table"])
-        self.epoch = self.table.epoch
-        self.slab = Slab.attach(info["slab"], info["page_bytes"], info["dram_pages"])
-        self.checked = time.monotonic()
-
-    def close(self) -> None:
-        self.table.close(unlink=False)
-        self.slab.close()
-
-
-def _stat(path: str):
-    try:
-        st = os.stat(path)
-        return st.st_ino, st.st_mtime_ns
-    except OSError:
-        return None
 
 
 class NodeClient:
@@ -146,7 +121,7 @@ class NodeClient:
             old, self._at = self._at, at
             idle, self._idle = self._idle, [sock]
         for s in idle:
-            s.close()
+            _close(s)
         if old is not None:
             old.close()
         self._next_try = 0.0
@@ -184,9 +159,10 @@ class NodeClient:
 
     # ---------------------------------------------------------------- calls on the socket
     def _call(self, op: str, args: dict, payloads: Sequence[np.ndarray] = (),
-              outs: Sequence[np.ndarray | None] | None = None):
+              outs: Sequence[np.ndarray | None] | None = None, prepare=None):
         """(result, payloads) of one call, within ``timeout_s``. A failure of the shard or the socket
-        raises Unavailable; the shard's typed errors keep their type."""
+        raises Unavailable; the shard's typed errors keep their type. ``prepare(channel, args,
+        deadline)`` runs on the channel the call goes out on and returns its arguments."""
         at = self._attached()
         if at is None:
             raise Unavailable(f"no shard of pool {self.pool!r} answers on this node")
@@ -196,18 +172,12 @@ class NodeClient:
         try:
             if sock is None:
                 sock = self._dial(at.info["socket"], deadline)
-            args = dict(args, timeout_s=self.timeout_s)
-            if payloads:
-                args["lens"] = [int(p.nbytes) for p in payloads]
-            sock.send([op, args], payloads, deadline=deadline)
-            reply = sock.recv_header(deadline=deadline)
-            if not (isinstance(reply, list) and len(reply) == 3):
-                raise Unavailable(f"the shard answered {op} with a malformed reply")
-            ok, result, lens = reply
-            got = sock.recv_payloads(lens or [], outs, deadline=deadline)
+            if prepare is not None:
+                args = prepare(sock, args, deadline)
+            ok, result, got = self._exchange(sock, op, args, payloads, outs, deadline)
         except (OSError, KvPoolError) as e:
             if sock is not None:
-                sock.close()
+                _close(sock)
             if isinstance(e, OSError):
                 self._next_try = time.monotonic() + self.retry_s
                 with self._lock:
@@ -220,6 +190,33 @@ class NodeClient:
         if not ok:
             raise wire.decode_error(result)
         return result, got
+
+    def _exchange(self, sock: wire.Channel, op: str, args: dict, payloads, outs, deadline: float):
+        args = dict(args, timeout_s=self.timeout_s)
+        if payloads:
+            args["lens"] = [int(p.nbytes) for p in payloads]
+        sock.send([op, args], payloads, deadline=deadline)
+        reply = sock.recv_header(deadline=deadline)
+        if not (isinstance(reply, list) and len(reply) == 3):
+            raise Unavailable(f"the shard answered {op} with a malformed reply")
+        ok, result, lens = reply
+        return ok, result, sock.recv_payloads(lens or [], outs, deadline=deadline)
+
+    def _staged(self, arrays: Sequence[np.ndarray]):
+        """``prepare`` for ``put_staged``: the channel's staging file (asked for once per
+        connection), filled with ``arrays``; their offsets go with the call."""
+        def prepare(sock: wire.Channel, args: dict, deadline: float) -> dict:
+            stage = getattr(sock, "stage", None)
+            if stage is None:
+                ok, r, _ = self._exchange(sock, "stage", {}, (), None, deadline)
+                if not ok:
+                    raise wire.decode_error(r)
+                stage = sock.stage = Stage.attach(r["path"], r["nbytes"])
+            offsets = stage.layout(arrays)
+            assert offsets is not None, "the caller checked that the chunks fit STAGE_BYTES"
+            stage.fill(arrays, offsets)
+            return dict(args, offsets=offsets)
+        return prepare
 
     # ---------------------------------------------------------------- the PoolClient surface
     @property
@@ -259,7 +256,7 @@ class NodeClient:
             r, _ = self._call("lookup", {"credential": credential, "keys": [bytes(k) for k in keys],
                                          "shared": is_shared(keys)})
         except KvPoolError as e:
-            if e.status in _RAISED:
+            if e.status in RAISED:
                 raise
             return PrefixHit(local, (sid,) * local, error=str(e)) if local else MISS
         count = int(r["count"])
@@ -275,7 +272,7 @@ class NodeClient:
             r, _ = self._call("begin", {"credential": credential, "keys": [bytes(k) for k in keys],
                                         "priority": priority, "shared": is_shared(keys)})
         except KvPoolError as e:
-            if e.status in _RAISED:
+            if e.status in RAISED:
                 raise
             self.counts["begin_failed"] += 1
             return NodeRequest(credential, {}, 0)
@@ -308,7 +305,7 @@ class NodeClient:
         many were stored. Bad input, a refused credential and the tenant's 429 raise; a shard that
         is down or slow stores nothing (counted: ``put_failed``)."""
         arrays = [as_byte_array(p) for p in payloads]
-        raw = _check_put(keys, arrays, shared)
+        raw = check_put(keys, arrays, shared)
         at = self._attached()
         if at is not None:
             big = [a.nbytes for a in arrays if a.nbytes > at.info["page_bytes"]]
@@ -318,9 +315,17 @@ class NodeClient:
         if not raw:
             return 0
         rid = None if request is None or at is None else request.shard_requests.get(at.info["shard"])
+        sizes = [a.nbytes for a in arrays]
+        args = {"credential": credential, "keys": raw, "sizes": sizes, "shared": shared,
+                "first_position": first_position, "request_id": rid}
         try:
-            r, _ = self._call("reserve", {"credential": credential, "keys": raw, "sizes": [a.nbytes for a in arrays],
-                                          "shared": shared, "first_position": first_position, "request_id": rid})
+            if sum(-(-n // 64) * 64 for n in sizes) <= STAGE_BYTES // 2:  # small: one call (kvpool.node.staging)
+                r, _ = self._call("put_staged", args, prepare=self._staged(arrays))
+            else:
+                r, _ = self._call("reserve", args)
+            if isinstance(r, int):
+                self.counts["put_staged"] += 1
+                return r
             if r.get("full"):
                 stored, _ = self._call("put", {"credential": credential, "keys": raw, "shared": shared,
                                                "first_position": first_position}, arrays)
@@ -339,7 +344,7 @@ class NodeClient:
             self.counts["put_shm"] += 1
             return int(stored)
         except KvPoolError as e:
-            if e.status in _RAISED and not _expired(e):
+            if e.status in RAISED and not expired(e):
                 raise
             self.counts["put_failed"] += 1
             if self.counts["put_failed"] & (self.counts["put_failed"] - 1) == 0:  # the 1st, 2nd, 4th, 8th...
@@ -384,25 +389,13 @@ class NodeClient:
             at, self._at = self._at, None
             idle, self._idle = self._idle, []
         for s in idle:
-            s.close()
+            _close(s)
         if at is not None:
             at.close()
 
 
-def _expired(e: KvPoolError) -> bool:
-    """A reservation that expired (or a shard that restarted) between reserve and commit: not the
-    caller's input, a failed write."""
-    return e.status == 400 and "no reservation" in str(e)
-
-
-def _check_put(keys: Sequence[object], arrays: Sequence[np.ndarray], shared: object) -> list[bytes]:
-    if not isinstance(shared, bool):
-        raise BadRequest(f"shared must be True or False, got {shared!r}")
-    if len(keys) != len(arrays):
-        raise BadRequest(f"{len(keys)} keys but {len(arrays)} payloads: one payload per key")
-    raw = []
-    for k in keys:
-        if not isinstance(k, (bytes, bytearray, memoryview)) or len(bytes(k)) != KEY_BYTES:
-            raise BadRequest(f"a chunk key is {KEY_BYTES} bytes: use ChunkKey")
-        raw.append(bytes(k))
-    return raw
+def _close(sock: wire.Channel) -> None:
+    stage = getattr(sock, "stage", None)
+    if stage is not None:
+        stage.close()
+    sock.close()

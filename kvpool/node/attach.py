@@ -1,0 +1,35 @@
+"""What a NodeClient maps of its node's shard: the node file's info, the page table, the slab."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvpool.node.table import PageTable
+from kvpool.slab import Slab
+
+
+class Attached:
+    """The shard a client currently maps: its info, page table and slab."""
+
+    def __init__(self, info: dict, node_path: str) -> None:
+        self.info = info
+        self.node_path = node_path
+        self.stat = node_stat(node_path)
+        self.table = PageTable.attach(info["table"])
+        self.epoch = self.table.epoch
+        self.slab = Slab.attach(info["slab"], info["page_bytes"], info["dram_pages"])
+        self.checked = time.monotonic()
+
+    def close(self) -> None:
+        self.table.close(unlink=False)
+        self.slab.close()
+
+
+def node_stat(path: str):
+    """What tells one node file from the next one under the same name (a restarted shard's)."""
+    try:
+        st = os.stat(path)
+        return st.st_ino, st.st_mtime_ns
+    except OSError:
+        return None
