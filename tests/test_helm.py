@@ -253,6 +253,7 @@ def test_raycluster_has_gpu_workers_with_shm_and_metrics(value_set):
     assert rc["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     image = f"{vals['image']['repository']}:{vals['image']['tag'] or '0.1.0'}"
     slab = vals["pool"]["pageMiB"] * vals["pool"]["dramPages"]
+    in_shm = 0 if vals["node"]["enabled"] else slab  # with the run dir on, the slab is there, not in /dev/shm
     for role, tpl in ray_pod_specs(rc).items():
         spec = tpl["spec"]
         (c,) = spec["containers"]
@@ -265,7 +266,7 @@ def test_raycluster_has_gpu_workers_with_shm_and_metrics(value_set):
         vols = {v["name"]: v for v in spec["volumes"]}
         shm = vols["shm"]["emptyDir"]
         assert shm["medium"] == "Memory"
-        assert shm["sizeLimit"] == f"{group['objectStoreMiB'] + slab + vals['shm']['headroomMiB']}Mi"
+        assert shm["sizeLimit"] == f"{group['objectStoreMiB'] + in_shm + vals['shm']['headroomMiB']}Mi"
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"] == "shm" and mounts["/etc/kvpool"] == "config"
         assert mounts[POOL_SECRET_DIR] == "pool-secret"
@@ -281,10 +282,67 @@ def test_raycluster_has_gpu_workers_with_shm_and_metrics(value_set):
             assert "disk" not in vols
         env = {e["name"]: e for e in c["env"]}
         assert "KVPOOL_REDIS_URL" in env
+        _check_run_dir(vals, value_set, spec, c)
         if role != "head":
             assert c["resources"]["limits"][w["gpuResource"]] == str(w["gpus"])
         else:
             assert not any("gpu" in k for k in c["resources"].get("limits", {}))
+
+
+def _check_run_dir(vals: dict, value_set: str, spec: dict, c: dict) -> None:
+    """A Ray pod (the head runs a shard too): the node run dir as a hostPath on the node's tmpfs at
+    node.runDir with $KVPOOL_RUN_DIR, the pod's fixed user, the init container that gives the node
+    directories to that user; none of it with node.enabled false."""
+    node = vals["node"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    env = {e["name"]: e for e in c["env"]}
+    sc = vals["ray"]["podSecurityContext"]
+    assert spec["securityContext"] == sc and sc["runAsUser"] == 1000 and sc["runAsGroup"] == 100  # Ray's `ray`
+    disk_host = vals["pool"]["disk"]["enabled"] and vals["pool"]["disk"]["hostPath"]
+    if not node["enabled"]:
+        assert "run-dir" not in vols and "run-dir" not in mounts.values() and "KVPOOL_RUN_DIR" not in env
+        assert not any("hostPath" in v for v in vols.values() if v["name"] != "disk")
+        if not disk_host:
+            assert "initContainers" not in spec
+        return
+    host = node["hostPath"] or f"/dev/shm/kvpool-{NAMESPACE}-{fullname(value_set)}"
+    assert vols["run-dir"]["hostPath"] == {"path": host, "type": "DirectoryOrCreate"}
+    assert host.startswith("/dev/shm/")  # the host's tmpfs: the slab is memory
+    assert mounts[node["runDir"]] == "run-dir"
+    assert env["KVPOOL_RUN_DIR"] == {"name": "KVPOOL_RUN_DIR", "value": node["runDir"]}
+    (init,) = spec["initContainers"]
+    dirs = [node["runDir"], *([vals["pool"]["disk"]["path"]] if disk_host else [])]
+    assert init["command"] == ["/bin/sh", "-c", f"chown 1000:100 {' '.join(dirs)} && chmod 0700 {' '.join(dirs)}"]
+    assert init["securityContext"]["runAsUser"] == 0
+    assert {m["mountPath"] for m in init["volumeMounts"]} == set(dirs)
+
+
+def test_run_dir_off_and_moved():
+    """node.enabled=false renders no run dir (the slab back in /dev/shm); node.prepare=false no init
+    container; a hostPath and runDir of one's own are used as given."""
+    on, off = (one(render("default", extra), "RayCluster") for extra in ((), ("--set", "node.enabled=false")))
+    for rc in (on, off):
+        assert crd_errors(rc) == []
+    vals = values_of("default")
+    slab = vals["pool"]["pageMiB"] * vals["pool"]["dramPages"]
+    for role in ("head", "gpu"):
+        specs = [ray_pod_specs(rc)[role]["spec"] for rc in (on, off)]
+        sizes = [int({v["name"]: v for v in sp["volumes"]}["shm"]["emptyDir"]["sizeLimit"][:-2]) for sp in specs]
+        assert sizes[1] - sizes[0] == slab
+        c = specs[1]["containers"][0]
+        assert "KVPOOL_RUN_DIR" not in {e["name"] for e in c["env"]}
+        assert "run-dir" not in {v["name"] for v in specs[1]["volumes"]} | {m["name"] for m in c["volumeMounts"]}
+        assert "initContainers" not in specs[1] and "initContainers" in specs[0]
+    rc = one(render("default", ("--set", "node.prepare=false,node.runDir=/run/kv,node.hostPath=/dev/shm/mine")),
+             "RayCluster")
+    for role, tpl in ray_pod_specs(rc).items():
+        spec = tpl["spec"]
+        assert "initContainers" not in spec, role
+        assert {v["name"]: v for v in spec["volumes"]}["run-dir"]["hostPath"]["path"] == "/dev/shm/mine"
+        c = spec["containers"][0]
+        assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]}["/run/kv"] == "run-dir"
+        assert {e["name"]: e.get("value") for e in c["env"]}["KVPOOL_RUN_DIR"] == "/run/kv"
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -750,7 +808,17 @@ BAD_VALUES = [
      "set pool.disk.enabled=true"),
     (("--set", "worker.minReplicas=3"), "worker: need minReplicas <= replicas <= maxReplicas, got 3 <= 2 <= 2"),
     (("--set-string", "head.resources.limits.memory=2Gi"),
-     "head.resources.limits.memory 2Gi does not exceed its /dev/shm of 3584 MiB"),
+     "head.resources.limits.memory 2Gi does not exceed its shared memory of 3584 MiB"),
+    # the slab counts against the limit in the run dir too (the shard's pod is charged for it)
+    (("--set-string", "head.resources.limits.memory=3584Mi"), "/dev/shm and the DRAM slab (in node.runDir, charged"),
+    (("--set-string", "head.resources.limits.memory=3584Mi", "--set", "node.enabled=false"),
+     "/dev/shm and the DRAM slab (in /dev/shm) count against the memory limit"),
+    (("--set", "ray.podSecurityContext.runAsUser=null"), "node.enabled needs ray.podSecurityContext.runAsUser"),
+    (("--set", "pool.disk.enabled=true,pool.disk.path=/var/run/kvpool/"),
+     "node.runDir and pool.disk.path are the same directory"),
+    (("--set", "node.runDir=run"), "node.runDir: Does not match pattern"),
+    (("--set", "node.hostPath=/dev/shm/a b"), "node.hostPath: Does not match pattern"),
+    (("--set", "node.enable=true"), "node: Additional property enable is not allowed"),
     (("--set", "redis.mode=external"), "redis.mode=external needs redis.external.url"),
     (("--set", "engineTenant=nobody"), 'engineTenant "nobody" is not among pool.tenants [default]'),
     (("--set", "ray.auth.mode=on"), 'ray.auth.mode: ray.auth.mode must be one of the following: "token", "disabled"'),
@@ -848,6 +916,69 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
     assert sg == {k: v for k, v in want.items() if k != "chunk_tokens"}
     check_config(sg)
     assert "S3cretPw" not in notes
+
+
+def _engine_pod(notes: str) -> dict | None:
+    """The engine pod spec NOTES.txt prints for backend "node" (between its marker comments)."""
+    lines = notes.splitlines()
+    if "# --- engine pod spec ---" not in lines:
+        return None
+    start = lines.index("# --- engine pod spec ---")
+    return yaml.safe_load("\n".join(lines[start + 1:lines.index("# --- end ---")]))["spec"]
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_notes_engine_pod_for_the_node_backend(tmp_path, value_set):
+    """The snippet an operator adds to a vLLM Deployment: the Ray pods' node directory at the same
+    path, $KVPOOL_RUN_DIR, the Ray pods' user, a node with a Ray worker of this release, and a
+    backend "node" config the connectors accept; no Ray address, token or index URL."""
+    from kvpool.connectors.pools import check_config
+
+    vals = values_of(value_set)
+    args = () if value_set == "default" else ("-f", str(CHART / value_set))
+    notes = render_notes(tmp_path, *args)
+    pod = _engine_pod(notes)
+    if not vals["node"]["enabled"]:
+        assert pod is None and 'backend "node"' not in notes
+        return
+    rc = one(render(value_set), "RayCluster")
+    ray_pod = ray_pod_specs(rc)[vals["worker"]["groupName"]]
+    ray_vols = {v["name"]: v for v in ray_pod["spec"]["volumes"]}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["kvpool-run"]["hostPath"] == ray_vols["run-dir"]["hostPath"]
+    assert pod["securityContext"] == {k: v for k, v in ray_pod["spec"]["securityContext"].items()
+                                      if k in ("runAsUser", "runAsGroup")}
+    term = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["namespaces"] == [NAMESPACE]
+    assert labels_match(term["labelSelector"]["matchLabels"], ray_pod["metadata"]["labels"])
+    assert not labels_match(term["labelSelector"]["matchLabels"], ray_pod_specs(rc)["head"]["metadata"]["labels"])
+    (c,) = pod["containers"]
+    run_dir = vals["node"]["runDir"]
+    assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]} == {run_dir: "kvpool-run"}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVPOOL_RUN_DIR"]["value"] == run_dir
+    secret = f"kvpool-engine-{vals['engineTenant']}"
+    assert env["KVPOOL_CREDENTIAL"]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "credential"}
+    assert f"create secret generic {secret} --from-literal=credential=" in notes
+    assert f"kvpool auth issue {vals['engineTenant']})\"" in notes
+    assert c["command"] == ["vllm", "serve"] and c["args"][:2] == ["MODEL", "--kv-transfer-config"]
+    cfg = json.loads(c["args"][2])
+    assert {k: cfg[k] for k in ("kv_connector", "kv_connector_module_path", "kv_role")} == \
+        {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm", "kv_role": "kv_both"}
+    extra = cfg["kv_connector_extra_config"]
+    tenants = [t["id"] for t in vals["pool"]["tenants"]]
+    assert extra == {"backend": "node", "pool": "default", "chunk_tokens": vals["pool"]["chunkTokens"],
+                     "tenants": tenants, "tenant": vals["engineTenant"]}
+    assert check_config(extra)["backend"] == "node"
+    # the pod part validates as a Kubernetes PodSpec (the image is the operator's)
+    c["image"] = "vllm-with-kvpool:latest"
+    try:
+        import kubernetes_validate
+    except ImportError:
+        return
+    podspec = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine"}, "spec": pod}
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(podspec, version, strict=True)
 
 
 def test_notes_with_external_redis_in_a_secret(tmp_path):

@@ -200,10 +200,30 @@ authOptions, so an operator without authOptions still gets it) and KVPOOL_SECRET
 {{- mul (int .Values.pool.pageMiB) (int .Values.pool.dramPages) }}
 {{- end }}
 
-{{/* /dev/shm of a Ray pod: its object store + the DRAM slab of its shard + headroom. Arg: (list root objectStoreMiB). */}}
+{{/*
+/dev/shm of a Ray pod: its object store + headroom, + the DRAM slab of its shard when there is no
+run dir (node.enabled: the slab is a file in the run dir, the node's tmpfs). Arg: (list root objectStoreMiB).
+*/}}
 {{- define "kvpool.shmMiB" -}}
 {{- $root := index . 0 }}
+{{- $slab := ternary 0 (int (include "kvpool.slabMiB" $root)) $root.Values.node.enabled }}
+{{- add (int (index . 1)) $slab (int $root.Values.shm.headroomMiB) }}
+{{- end }}
+
+{{/*
+Shared memory a Ray pod's memory limit must exceed: object store + slab + headroom, wherever the
+slab lives. The emptyDir's pages count against the limit; so does a slab in the run dir, since the
+shard allocates it whole at start (posix_fallocate) and Linux charges tmpfs pages to the memory
+cgroup of the process that allocates them (a hostPath tmpfs included). Arg: (list root objectStoreMiB).
+*/}}
+{{- define "kvpool.sharedMiB" -}}
+{{- $root := index . 0 }}
 {{- add (int (index . 1)) (int (include "kvpool.slabMiB" $root)) (int $root.Values.shm.headroomMiB) }}
+{{- end }}
+
+{{/* The node directory behind the run dir (node.hostPath, else one per release on the host's /dev/shm). */}}
+{{- define "kvpool.runHostPath" -}}
+{{- default (printf "/dev/shm/kvpool-%s-%s" .Release.Namespace (include "kvpool.fullname" .)) .Values.node.hostPath }}
 {{- end }}
 
 {{/*
@@ -231,10 +251,16 @@ Checks across values that the JSON schema cannot express; each failure names the
 {{- $g := index $.Values $group }}
 {{- $limit := dig "limits" "memory" "" ($g.resources | default dict) }}
 {{- $limitMiB := include "kvpool.quantityMiB" $limit }}
-{{- $shm := int (include "kvpool.shmMiB" (list $ $g.objectStoreMiB)) }}
+{{- $shm := int (include "kvpool.sharedMiB" (list $ $g.objectStoreMiB)) }}
 {{- if and $limitMiB (le (int64 $limitMiB) (int64 $shm)) }}
-{{- fail (printf "%s.resources.limits.memory %s does not exceed its /dev/shm of %d MiB (%s.objectStoreMiB %d + pool.pageMiB x pool.dramPages = %s + shm.headroomMiB %d): /dev/shm counts against the memory limit; raise the limit or shrink the object store or the slab" $group (toString $limit) $shm $group (int $g.objectStoreMiB) (include "kvpool.slabMiB" $) (int $.Values.shm.headroomMiB)) }}
+{{- fail (printf "%s.resources.limits.memory %s does not exceed its shared memory of %d MiB (%s.objectStoreMiB %d + pool.pageMiB x pool.dramPages = %s + shm.headroomMiB %d): /dev/shm and the DRAM slab (%s) count against the memory limit; raise the limit or shrink the object store or the slab" $group (toString $limit) $shm $group (int $g.objectStoreMiB) (include "kvpool.slabMiB" $) (int $.Values.shm.headroomMiB) (ternary "in node.runDir, charged to the pod that allocates it" "in /dev/shm" $.Values.node.enabled)) }}
 {{- end }}
+{{- end }}
+{{- if and .Values.node.enabled (not (dig "runAsUser" nil (.Values.ray.podSecurityContext | default dict))) }}
+{{- fail "node.enabled needs ray.podSecurityContext.runAsUser: the run dir's files are the Ray pods' user's (mode 0600) and engine pods must run as that same user" }}
+{{- end }}
+{{- if and .Values.node.enabled .Values.pool.disk.enabled (eq (clean .Values.node.runDir) (clean .Values.pool.disk.path)) }}
+{{- fail "node.runDir and pool.disk.path are the same directory: give the disk tier its own" }}
 {{- end }}
 {{- if and (eq .Values.redis.mode "external") (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) }}
 {{- fail "redis.mode=external needs redis.external.url (redis://host:6379/0) or redis.external.existingSecret (a Secret holding the URL)" }}
@@ -264,7 +290,7 @@ Checks across values that the JSON schema cannot express; each failure names the
 {{- end }}
 {{- end }}
 
-{{/* Volumes every Ray pod has: /dev/shm, the pool config, the disk tier. Arg: (list root objectStoreMiB). */}}
+{{/* Volumes every Ray pod has: /dev/shm, the pool config, the run dir, the disk tier. Arg: (list root objectStoreMiB). */}}
 {{- define "kvpool.rayVolumes" -}}
 {{- $root := index . 0 }}
 - name: shm
@@ -275,6 +301,12 @@ Checks across values that the JSON schema cannot express; each failure names the
   configMap:
     name: {{ include "kvpool.fullname" $root }}-config
 {{ include "kvpool.poolSecretVolume" $root }}
+{{- if $root.Values.node.enabled }}
+- name: run-dir
+  hostPath:
+    path: {{ include "kvpool.runHostPath" $root }}
+    type: DirectoryOrCreate
+{{- end }}
 {{- if $root.Values.pool.disk.enabled }}
 - name: disk
 {{- if $root.Values.pool.disk.hostPath }}
@@ -295,8 +327,64 @@ Checks across values that the JSON schema cannot express; each failure names the
   mountPath: /etc/kvpool
   readOnly: true
 {{ include "kvpool.poolSecretMount" . }}
+{{- if .Values.node.enabled }}
+- name: run-dir
+  mountPath: {{ .Values.node.runDir }}
+{{- end }}
 {{- if .Values.pool.disk.enabled }}
 - name: disk
   mountPath: {{ .Values.pool.disk.path }}
+{{- end }}
+{{- end }}
+
+{{/* $KVPOOL_RUN_DIR of a Ray container: where its shard puts its socket, node file, page table and slab. */}}
+{{- define "kvpool.nodeEnv" -}}
+{{- if .Values.node.enabled }}
+- name: KVPOOL_RUN_DIR
+  value: {{ .Values.node.runDir | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Ray pods' securityContext, and their init container that hands the node directories (run dir,
+a hostPath disk tier) to the pods' user: the kubelet creates a DirectoryOrCreate hostPath as root,
+0755, where the shard (runAsUser) could not create its files.
+*/}}
+{{- define "kvpool.raySecurityContext" -}}
+{{- with .Values.ray.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.prepareDirs" -}}
+{{- $sc := .Values.ray.podSecurityContext | default dict }}
+{{- $dirs := list }}
+{{- if .Values.node.enabled }}{{ $dirs = append $dirs .Values.node.runDir }}{{ end }}
+{{- if and .Values.pool.disk.enabled .Values.pool.disk.hostPath }}{{ $dirs = append $dirs .Values.pool.disk.path }}{{ end }}
+{{- if and .Values.node.prepare $dirs (hasKey $sc "runAsUser") }}
+{{- $owner := toString (int64 $sc.runAsUser) }}
+{{- if hasKey $sc "runAsGroup" }}{{ $owner = printf "%s:%d" $owner (int64 $sc.runAsGroup) }}{{ end }}
+initContainers:
+  - name: prepare-node-dirs
+    image: {{ include "kvpool.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["/bin/sh", "-c", {{ printf "chown %s %s && chmod 0700 %s" $owner (join " " $dirs) (join " " $dirs) | quote }}]
+    securityContext:
+      runAsUser: 0
+      runAsGroup: 0
+      runAsNonRoot: false
+    resources:
+      requests: {cpu: 10m, memory: 16Mi}
+      limits: {cpu: 100m, memory: 64Mi}
+    volumeMounts:
+      {{- if .Values.node.enabled }}
+      - name: run-dir
+        mountPath: {{ .Values.node.runDir }}
+      {{- end }}
+      {{- if and .Values.pool.disk.enabled .Values.pool.disk.hostPath }}
+      - name: disk
+        mountPath: {{ .Values.pool.disk.path }}
+      {{- end }}
 {{- end }}
 {{- end }}
