@@ -33,7 +33,6 @@ class ClusterPool(KeyedPool):
                                               "(kvpool up --page-size) or use smaller chunks")
         self.spec = spec
         self.client = client
-        self.secured = bool(getattr(client, "secured", False))
         self._salts = {t.id: t.salt for t in tenants}
         self._tenants = {t.id: t for t in tenants}
         self._sealers: dict[str, Sealer] = {}
@@ -41,6 +40,11 @@ class ClusterPool(KeyedPool):
             raise BadRequest(f"a tenant seals its payloads: start the pool with a page size >= "
                              f"{spec.chunk_nbytes + SEAL_OVERHEAD} (the chunk and {SEAL_OVERHEAD} B of seal)")
         self._keys = KeyMaker(spec, self._salt)
+
+    @property
+    def secured(self) -> bool:
+        """Asked of the client each time: an engine may start before its node's shard."""
+        return bool(getattr(self.client, "secured", False))
 
     def _salt(self, credential: str) -> bytes:
         self._check_tenant(credential)
@@ -73,8 +77,13 @@ class ClusterPool(KeyedPool):
 
     def report(self, name: str, figures: dict) -> None:
         """Publishes a connector's measured figures to the controller (fire and forget), where
-        `kvpool stats` shows them."""
-        self.client.controller.report.remote(name, figures)
+        `kvpool stats` shows them: through the node's shard for a NodeClient (no Ray here), as a
+        Ray call for a PoolClient."""
+        report = getattr(self.client, "report", None)
+        if callable(report):
+            report(name, figures)
+        else:
+            self.client.controller.report.remote(name, figures)
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Pins the leading run of cached chunks (warm-up, an operator's), within each shard's pinned cap."""
@@ -107,7 +116,7 @@ class ClusterPool(KeyedPool):
     def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator["OwnedChunk"]:
         """:meth:`load` as views, the surface LocalPool gives (here each one owns its bytes, which
         came over the network: releasing it frees nothing)."""
-        return iter([OwnedChunk(kv) for kv in self.load(tenant, keys)])
+        return (OwnedChunk(kv) for kv in self.load(tenant, keys))  # a generator: callers close() it
 
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
              shared: bool = False, request=None) -> int:
@@ -126,16 +135,31 @@ class ClusterPool(KeyedPool):
                                first_position=start, request=request)
 
     def stats(self) -> dict:
-        """The shards' stats summed into one store-shaped dict."""
-        import ray
-
-        from kvpool.cluster.shard import shard_name
+        """The shards' stats summed into one store-shaped dict. Over a NodeClient, this node's shard
+        only (asked on its socket, no Ray; ``"scope": "node"``), and an empty sum (``"error"`` says
+        why) when it does not answer."""
+        from kvpool.node.client import NodeClient
 
         total = {"tiers": {}, "tenants": {}, "chunks": 0, "policy": None, "policy_stats": {},
-                 "metrics": {"evictions": {}, "checksum_failures": {}}, "shards": len(self.client.shards)}
-        for sid in self.client.shards:
-            st = ray.get(ray.get_actor(shard_name(self.client.pool, sid), namespace=self.client.namespace)
-                         .stats.remote(), timeout=self.client.timeout_s)
+                 "metrics": {"evictions": {}, "checksum_failures": {}}, "shards": 0}
+        if isinstance(self.client, NodeClient):
+            from kvpool.errors import KvPoolError
+
+            total["scope"] = "node"
+            try:
+                per_shard = [self.client._call("stats", {})[0]]
+            except KvPoolError as e:
+                total["error"] = str(e)
+                per_shard = []
+        else:
+            import ray
+
+            from kvpool.cluster.shard import shard_name
+
+            per_shard = [ray.get(ray.get_actor(shard_name(self.client.pool, sid), namespace=self.client.namespace)
+                                 .stats.remote(), timeout=self.client.timeout_s) for sid in self.client.shards]
+        total["shards"] = len(per_shard)
+        for st in per_shard:
             total["chunks"] += st["chunks"]
             total["policy"] = st["policy"]
             for tier, t in st["tiers"].items():
@@ -167,7 +191,7 @@ def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int
     if address:
         ray.init(address=address, namespace=ns, logging_level="ERROR", log_to_driver=False)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR", log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR", log_to_driver=False)
     client = None
     try:
         up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": dram_chunks},

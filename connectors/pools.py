@@ -8,9 +8,21 @@ Config (a dict; vLLM passes it as ``kv_connector_extra_config``, SGLang as the b
 config):
 
 - ``backend``: ``"local"`` (default: an in-process pool, shared by every connector of this
-  process that names the same ``pool``) or ``"ray"`` (the cluster: ``ray_address``,
-  ``namespace``, ``index_url`` for a Redis index, ``timeout_s``);
-- ``pool``: the local pool's name (default ``"default"``); ``dram_mib`` its size (default 1024);
+  process that names the same ``pool``), ``"node"`` (the cluster, through this node's shard:
+  the one to use for engines on a cluster) or ``"ray"`` (the cluster, with the engine a Ray
+  client of it);
+- ``"node"`` (:class:`kvpool.node.client.NodeClient`): the engine never joins Ray. It finds its
+  node's shard through ``kvpool-<pool>-<shard>.node`` in ``run_dir`` (default
+  ``$KVPOOL_RUN_DIR``, else /dev/shm: the shard's), reads same-node hits straight from shared
+  memory and makes every other call on the shard's Unix socket, each within ``timeout_s``
+  (default 2). A pool that is down (shard, Ray head or Redis) makes reads misses and writes store
+  nothing, tried again at most every second; the engine may start before the pool. ``shard``
+  names this node's shard where one machine runs several (else ``$KVPOOL_SHARD``). Every engine
+  process opens its own client, so vLLM's scheduler and worker may run apart;
+- ``"ray"``: ``ray_address``, ``namespace``, ``index_url`` for a Redis index, ``timeout_s``
+  (default 5). The engine joins the Ray cluster: a Ray head that goes away takes the engine with
+  it (Ray's driver gives up after its GCS timeout), so prefer ``"node"``;
+- ``pool``: the pool's name (default ``"default"``); ``dram_mib`` a local pool's size (default 1024);
 - ``tenants``: the tenants the pool serves (default ``["default"]``), each an id or a dict with
   ``id``, the :class:`~kvpool.tenants.Tenant` settings (``quota_bytes``, ``priority``, ...) and,
   for the engines' request routing (:mod:`kvpool.connectors.tenancy`), optional
@@ -39,8 +51,10 @@ from kvpool.spec import KVSpec
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
+BACKENDS = ("local", "node", "ray")
 KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "ray_address", "namespace",
-              "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file"}
+              "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
+              "run_dir"}
 # Keys of a tenant's dict that route requests (kvpool.connectors.tenancy); the rest are Tenant's.
 TENANT_AUTH_KEYS = ("request_secret", "credential")
 TENANT_KEYS = frozenset(f.name for f in dataclasses.fields(Tenant)) | set(TENANT_AUTH_KEYS)
@@ -72,13 +86,23 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise BadRequest(f"unknown kvpool connector settings {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
     backend = config.get("backend", "local")
-    if backend not in ("local", "ray"):
-        raise BadRequest(f"kvpool backend {backend!r} is not 'local' or 'ray'")
+    if backend not in BACKENDS:
+        raise BadRequest(f"kvpool backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
     tenants = config.get("tenants", ["default"])
     if not isinstance(tenants, (list, tuple)):
         raise BadRequest(f"tenants is a list of tenant ids or {{'id': ...}} dicts, got {type(tenants).__name__}")
     for t in tenants:
         _check_tenant(t)
+    for k in ("shard", "run_dir"):
+        if k in config and (backend != "node" or not isinstance(config[k], str) or not config[k]):
+            raise BadRequest(f"{k} is a non-empty string, for backend 'node' only")
+    if "timeout_s" in config:
+        try:
+            ok = float(config["timeout_s"]) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise BadRequest(f"timeout_s is a number of seconds > 0, got {config['timeout_s']!r}")
     for k in ("credentials_file", "secret_file"):
         if k in config and (not isinstance(config[k], str) or not config[k]):
             raise BadRequest(f"{k} is the path of a file, got {type(config[k]).__name__}")
@@ -88,7 +112,8 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     return {"backend": backend, "pool": config.get("pool", "default"), "dram_mib": int(config.get("dram_mib", 1024)),
             "tenants": list(tenants), "chunk_tokens": int(config.get("chunk_tokens", 256)),
             **{k: config[k] for k in ("tenant", "ray_address", "namespace", "index_url", "timeout_s", "policy",
-                                      "load_min_tokens", "credentials_file", "secret_file") if k in config}}
+                                      "load_min_tokens", "credentials_file", "secret_file", "shard", "run_dir")
+               if k in config}}
 
 
 def _check_tenant(t: object) -> None:
@@ -134,8 +159,8 @@ def pool_authority(config: dict[str, Any]) -> Authority:
 
 
 def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
-    """A ``LocalPool`` or a ``ClusterPool`` for ``spec``: same surface (keys, lookup, begin, load,
-    save, end)."""
+    """A ``LocalPool`` or a ``ClusterPool`` (over a NodeClient or a PoolClient) for ``spec``: same
+    surface (keys, lookup, begin, load, save, end)."""
     cfg = check_config(config or {})
     tenants = pool_tenants(cfg)
     if cfg["backend"] == "local":
@@ -150,11 +175,18 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
                 for t in tenants:
                     store.tenants.add(t)
         return LocalPool(spec, store, pool_authority(cfg))
+    from kvpool.cluster.pool import ClusterPool
+
+    if cfg["backend"] == "node":  # NOTE: no Ray on this path: the engine never joins the cluster
+        from kvpool.node.client import NodeClient
+
+        client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
+                            timeout_s=float(cfg.get("timeout_s", 2.0)))
+        return ClusterPool(spec, client, tenants)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     from kvpool.cluster.client import PoolClient
-    from kvpool.cluster.pool import ClusterPool
 
     if not ray.is_initialized():
         ray.init(address=cfg.get("ray_address", "auto"), namespace=cfg.get("namespace"), logging_level="ERROR",

@@ -10,7 +10,7 @@ storage backend (L3). This module is such a backend, loaded by SGLang's own fact
 
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``,
 ``tp_lcm_size``, the ``prefetch_*`` knobs, ...) are stripped; the rest is the pool config of
-:mod:`kvpool.connectors.pools` (``backend`` local/ray, ``pool``, ``dram_mib``, ``tenants``,
+:mod:`kvpool.connectors.pools` (``backend`` local/node/ray, ``pool``, ``dram_mib``, ``tenants``,
 ``tenant``, ...), checked by its ``check_config`` (an unknown key is a BadRequest naming the known
 ones). The backend declares SGLang's zero-copy interface (``interface_v1``) in that config unless
 the operator set it, so SGLang moves pages with :meth:`KVPoolStorage.batch_get_v1` /

@@ -7,7 +7,9 @@ Select it with::
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"backend": "local", "chunk_tokens": 256, ...}})
 
-(``kv_transfer_config(**pool_config)`` builds that dict.) The extra config is the pool config of
+(``kv_transfer_config(**pool_config)`` builds that dict.) On a cluster, use ``"backend": "node"``:
+the engine reaches its node's shard without joining Ray, keeps serving (recomputing) while the
+pool is down, and may start before it. The extra config is the pool config of
 :mod:`kvpool.connectors.pools` plus ``model_id``, ``model_revision``, ``model_weights`` and
 ``breakeven_margin``. Keys carry a fingerprint of the checkpoint's files (the same one the
 transformers connector gives a model loaded from that folder), so two checkpoints under one name
@@ -135,11 +137,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         if pool_config.get("backend", "local") == "local" and par.distributed_executor_backend not in ("uni", None):
             # NOTE: a local pool lives in one process; vLLM's CPU build runs its worker in a process
             # of its own (executor "mp") unless told otherwise, and the scheduler would then never
-            # see what the worker saves.
+            # see what the worker saves. A 'node' (or 'ray') pool is out of process: the scheduler
+            # and the worker each open their own client of it, wherever vLLM runs them.
             raise BadRequest(f"KVPoolConnector: a 'local' pool is in-process, but vLLM runs its worker apart from "
                              f"the scheduler (distributed_executor_backend={par.distributed_executor_backend!r}): "
                              "use --distributed-executor-backend uni (with VLLM_ENABLE_V1_MULTIPROCESSING=0 on "
-                             "vLLM's CPU build), or backend 'ray'")
+                             "vLLM's CPU build), or backend 'node' (a kvpool cluster's shard on this node)")
         if xfer.kv_load_failure_policy != "recompute":
             # NOTE: a pool is a cache: a chunk that fails to load is a miss and vLLM recomputes it
             # (DESIGN: any failure on the read path is a miss). The scheduler reads this after

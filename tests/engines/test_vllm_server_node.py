@@ -1,0 +1,353 @@
+"""vLLM's real OpenAI server on a kvpool cluster through ``backend: "node"``: the engine never joins
+Ray, starts before the pool exists, hits the pool once it is up, and keeps answering (recomputing)
+through every fault of the pool.
+
+The pool runs outside the engine's environment, as an operator runs it: a Ray head (``ray start``
+from ``.venv``, its own ``--temp-dir``), ``kvpool up`` (a secured pool, its index in a Redis started
+here), all sharing ``$KVPOOL_RUN_DIR`` (a temp dir) with the server, whose connector finds the
+node's shard there. The server runs vLLM's multiprocess engine and executor
+(``--distributed-executor-backend mp``): the scheduler's and the worker's connectors each open
+their own NodeClient.
+
+One server for the module, in this order (every check through HTTP answers only):
+
+1. started with no pool at all: it starts and answers (the reference answers, all recomputed);
+2. the pool comes up: a prompt answered, vLLM's own prefix cache reset, the same prompt again is a
+   pool hit (``vllm:prompt_tokens_cached_by_source_total{source="host"}`` grows) with the same
+   answer;
+3. Redis killed: answers stay right and fast; then Redis is back;
+4. the node's shard killed (``ray.kill``): the same;
+5. the Ray head killed (its processes, found by its temp dir): the server keeps answering for more
+   than 70 s (with ``backend: "ray"`` an engine died there: "Failed to connect to GCS within 60
+   seconds", then EngineDeadError).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+from conftest import need_engines
+
+need_engines("vllm")
+
+from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
+
+from kvpool.auth import Authority  # noqa: E402
+from kvpool.connectors.vllm import kv_transfer_config  # noqa: E402
+
+POOL_SECRET = "test-node-pool-secret-" + "7" * 32
+CHUNK = 64
+WHOLE = 4 * CHUNK  # a 300-token prompt's whole chunks
+START_TIMEOUT_S = 240
+REQUEST_BOUND_S = 10.0  # any request, under any fault (a cold one takes well under a second here)
+HEAD_DOWN_S = 72  # > 60 s: where an engine joined to Ray gave up on its GCS
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+POOL_BIN = os.path.join(REPO, ".venv", "bin")
+FIGURES: dict[str, list[float]] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pool:
+    """The pool's processes, run with ``.venv`` (never the engine's environment)."""
+
+    def __init__(self, workdir) -> None:
+        self.run_dir = str(workdir / "run")
+        os.makedirs(self.run_dir)
+        # NOTE: short: Ray puts its sockets under the temp dir (a Unix socket path has ~107 bytes)
+        self.ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
+        self.secret_file = workdir / "pool-secret"
+        self.secret_file.write_text(POOL_SECRET)
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVPOOL_SECRET", "RAY_ADDRESS"))},
+                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                    "KVPOOL_RUN_DIR": self.run_dir, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.redis_port = free_port()
+        self.redis = None
+        self.start_redis()
+        self.ray_port = free_port()
+        self.address = f"127.0.0.1:{self.ray_port}"
+        self.head = subprocess.Popen(
+            [os.path.join(POOL_BIN, "ray"), "start", "--head", f"--port={self.ray_port}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.ray_tmp}"],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def start_redis(self) -> None:
+        self.redis = subprocess.Popen(["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.redis_port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def kill_redis(self) -> None:
+        self.redis.kill()
+        self.redis.wait(10)
+
+    def up(self) -> None:
+        out, _ = self.head.communicate(timeout=120)
+        assert self.head.returncode == 0, out[-3000:]
+        r = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "up", "--ray-address", self.address,
+                            "--redis", f"redis://127.0.0.1:{self.redis_port}", "--page-size", str(256 << 10),
+                            "--dram-pages", "64", "--tenant", "default", "--secret-file", str(self.secret_file)],
+                           env=self.env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+    def shard_files(self) -> list[str]:
+        return [f for f in os.listdir(self.run_dir) if f.endswith(".node")]
+
+    def kill_shards(self) -> None:
+        code = ("import ray\n"
+                "from kvpool.cluster.controller import CONTROLLER\n"
+                "from kvpool.cluster.shard import shard_name\n"
+                f"ray.init(address={self.address!r}, namespace='kvpool', logging_level='ERROR', log_to_driver=False)\n"
+                "sids = ray.get(ray.get_actor(CONTROLLER).state.remote(), timeout=30)['shards']\n"
+                "for sid in sids:\n"
+                "    ray.kill(ray.get_actor(shard_name('default', sid)))\n"
+                "print(len(sids))\n")
+        r = subprocess.run([os.path.join(POOL_BIN, "python"), "-c", code], env=self.env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.split()[-1] == "1", (r.stdout + r.stderr)[-3000:]
+
+    def head_pids(self) -> list[int]:
+        """The processes of this Ray head: every one names its temp dir (another Ray on the machine
+        is left alone, which `ray stop --force` would not do)."""
+        mine = []
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if self.ray_tmp.encode() in f.read():
+                        mine.append(int(pid))
+            except OSError:
+                continue
+        return mine
+
+    def kill_head(self) -> int:
+        pids = self.head_pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return len(pids)
+
+    def close(self) -> None:
+        if self.head.poll() is None:
+            self.head.kill()
+        self.kill_head()
+        if self.redis is not None and self.redis.poll() is None:
+            self.kill_redis()
+        for f in os.listdir(self.run_dir):
+            os.unlink(os.path.join(self.run_dir, f))
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+class Server:
+    def __init__(self, model: str, workdir, run_dir: str) -> None:
+        credential = Authority(POOL_SECRET).issue("default")  # what the operator hands the engine
+        pool = {"backend": "node", "pool": "default", "run_dir": run_dir, "timeout_s": 2.0, "chunk_tokens": CHUNK,
+                "tenants": [{"id": "default", "credential": credential}],
+                "breakeven_margin": 0.0}  # always load a pool hit: this module tests the pool's faults
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_RUN_DIR", "RAY_ADDRESS"))}
+        # NOTE: vLLM's multiprocess engine (need_engines turned it off for in-process tests): the
+        # scheduler and the worker are different processes, each with its own NodeClient
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                    "HF_HUB_OFFLINE": "1"})
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+               "--distributed-executor-backend", "mp",
+               "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
+               "--max-model-len", "1024", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--uvicorn-log-level", "warning", "--kv-transfer-config", json.dumps(kv_transfer_config(**pool))]
+        self.log_path = workdir / "server.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the vLLM server exited with {self.proc.returncode}:\n{self.log()[-6000:]}", pytrace=False)
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the vLLM server did not start in {START_TIMEOUT_S} s:\n{self.log()[-6000:]}",
+                            pytrace=False)
+            time.sleep(0.5)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    def cached_by_source(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        pat = r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pat, text, re.M)}
+
+    def complete(self, tokens: list[int], what: str) -> tuple[list[int], float, float]:
+        """(the answer's tokens, the seconds the request took, the tokens it loaded from the pool).
+        Greedy, a few tokens: the answer shows whether the prompt's KV was right."""
+        before = self.cached_by_source().get("host", 0.0)
+        t0 = time.monotonic()
+        out = self.post("/v1/completions", {"model": "tiny", "prompt": tokens, "max_tokens": 4, "temperature": 0.0,
+                                            "return_token_ids": True, "ignore_eos": True})
+        took = time.monotonic() - t0
+        FIGURES.setdefault(what, []).append(took)
+        answer = [int(t) for t in out["choices"][0]["token_ids"]]
+        # NOTE: the engine publishes its stats after the step that finished the request; wait for them
+        cached = int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        deadline = time.monotonic() + 5
+        while True:
+            host = self.cached_by_source().get("host", 0.0) - before
+            if host or not cached or time.monotonic() > deadline:
+                return answer, took, host
+            time.sleep(0.05)
+
+    def reset_local_prefix_cache(self) -> None:
+        """Empties vLLM's own prefix cache (the pool keeps everything)."""
+        for _ in range(50):
+            if self.post("/reset_prefix_cache").get("success"):
+                return
+            time.sleep(0.1)
+        raise AssertionError("vLLM did not reset its prefix cache")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the engine processes it started
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vllm-node")
+    model = save_tiny_llama(workdir / "model", seed=0)
+    pool = Pool(workdir)  # Redis and the Ray head start beside the server; no kvpool yet
+    server = None
+    try:
+        server = Server(model, workdir, pool.run_dir)
+        server.wait_healthy()
+        yield server, pool
+    finally:
+        if server is not None:
+            server.close()
+        pool.close()
+        if FIGURES:
+            print("\nrequest seconds: " + "; ".join(f"{k}: " + ", ".join(f"{t:.2f}" for t in v)
+                                                     for k, v in FIGURES.items()))
+            print("pool tokens loaded: " + "; ".join(f"{k}: {[int(h) for h in v]}" for k, v in HOST.items()))
+
+
+PROMPTS = [random_prompt(300, seed=s) for s in (21, 22, 23, 24)]  # stored in the pool once it is up
+FRESH = {what: random_prompt(300, seed=s) for what, s in (("redis down", 31), ("shard down", 32),
+                                                          ("ray head down", 33))}  # asked first under that fault
+TRUTH: dict[tuple, list[int]] = {}  # each prompt's answer, computed before there was any pool
+HOST: dict[str, list[float]] = {}  # tokens loaded from the pool, per stage
+
+
+def ask(server: Server, prompt: list[int], what: str) -> float:
+    """Asks ``prompt`` (vLLM's own prefix cache reset first, so the pool is asked) and checks its
+    answer and the time it took; the tokens it loaded from the pool."""
+    server.reset_local_prefix_cache()
+    answer, took, host = server.complete(prompt, what)
+    assert answer == TRUTH[tuple(prompt)], what
+    assert took < REQUEST_BOUND_S, (what, took)
+    HOST.setdefault(what, []).append(host)
+    return host
+
+
+def test_a_server_started_before_the_pool_answers(stack):
+    server, pool = stack
+    assert pool.shard_files() == []
+    for p in [*PROMPTS, *FRESH.values()]:
+        server.reset_local_prefix_cache()
+        TRUTH[tuple(p)], took, host = server.complete(p, "no pool yet")
+        assert host == 0 and took < REQUEST_BOUND_S
+
+
+def test_the_pool_comes_up_and_a_repeated_prompt_is_a_pool_hit(stack):
+    server, pool = stack
+    pool.up()
+    assert len(pool.shard_files()) == 1
+    # the connectors look for the shard again at most every retry_s (1 s): the first requests after
+    # the pool came up may still miss it
+    deadline = time.monotonic() + 20
+    while ask(server, PROMPTS[0], "pool up") != WHOLE:  # saved by the first, loaded by a later one
+        assert time.monotonic() < deadline, "the pool never served the repeated prompt"
+        time.sleep(0.5)
+    for p in PROMPTS[1:]:
+        assert ask(server, p, "pool up") == 0  # saved
+        assert ask(server, p, "pool up") == WHOLE  # loaded: the same answer
+
+
+def test_redis_killed_the_server_keeps_answering(stack):
+    server, pool = stack
+    pool.kill_redis()
+    try:
+        for p in PROMPTS:
+            ask(server, p, "redis down")
+        # a new prompt: asked, then asked again (the node's shard may still keep it: its index is down)
+        for _ in range(2):
+            ask(server, FRESH["redis down"], "redis down")
+    finally:
+        pool.start_redis()
+
+
+def test_the_shard_killed_the_server_keeps_answering(stack):
+    server, pool = stack
+    pool.kill_shards()
+    # a new prompt goes to the dead shard's socket: a miss, and nothing stored (recomputed twice)
+    assert ask(server, FRESH["shard down"], "shard down") == 0
+    assert ask(server, FRESH["shard down"], "shard down") == 0
+    for p in PROMPTS:  # NOTE: may still be found in the dead shard's memory, which the engine maps
+        ask(server, p, "shard down")
+
+
+def test_the_ray_head_killed_the_server_keeps_answering(stack):
+    server, pool = stack
+    assert pool.kill_head() > 0
+    t0 = time.monotonic()
+    prompts = [FRESH["ray head down"], *PROMPTS]
+    # a request every 10 s, the last one past HEAD_DOWN_S
+    for i, at in enumerate([*range(0, HEAD_DOWN_S, 10), HEAD_DOWN_S + 1]):
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        ask(server, prompts[i % len(prompts)], "ray head down")
+    assert time.monotonic() - t0 > HEAD_DOWN_S
+    assert server.proc.poll() is None
+    assert "EngineDeadError" not in server.log() and "Failed to connect to GCS" not in server.log()
