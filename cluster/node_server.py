@@ -17,6 +17,7 @@ not at all (the engine has given up and closed the connection by then).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -84,6 +85,10 @@ class NodeServer:
         slab = shard.store.slab("dram")
         self.table = PageTable.create(self.paths["table"], slab.page_bytes, slab.num_pages)
         shard.store.attach_table(self.table)
+        # NOTE: held while this process lives: an engine that can take a shared lock on the table
+        # knows its shard died (SIGKILL leaves the files as they were) and lets go of its memory.
+        self._alive = os.open(self.paths["table"], os.O_RDONLY)
+        fcntl.flock(self._alive, fcntl.LOCK_EX)
         self.publisher = Publisher(shard)
         self._client = None
         self._client_lock = threading.Lock()

@@ -150,6 +150,8 @@ def test_a_dead_shard_is_a_fast_miss_and_its_restart_is_found(pool):
         c.get("a", keys)  # whatever the dead shard's memory still holds verifies, or is a miss
         assert c.lookup("a", make_keys(2, seed=8)).count == 0
     assert time.monotonic() - t0 < 5 * 3 * 1.0
+    # it let go of the dead shard's memory (its lock on the table is gone), though no call failed
+    wait_for(lambda: c.get("a", keys) == [] and c._at is None, 3, what="the dead shard's table let go")
 
     def restarted():  # once the controller dropped the dead shard, `up` places a new one there
         up(index_url=pool["redis"].url, **UP)

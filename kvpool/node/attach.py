@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 
@@ -17,11 +18,26 @@ class Attached:
         self.node_path = node_path
         self.stat = node_stat(node_path)
         self.table = PageTable.attach(info["table"])
+        self._fd = os.open(info["table"], os.O_RDONLY)
         self.epoch = self.table.epoch
         self.slab = Slab.attach(info["slab"], info["page_bytes"], info["dram_pages"])
         self.checked = time.monotonic()
 
+    def alive(self) -> bool:
+        """Whether the shard that wrote the table still runs: it holds an exclusive lock on the
+        file for its whole life (cluster/node_server.py), so a shared lock taken here means it
+        died, even by SIGKILL, and even in another PID namespace."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
     def close(self) -> None:
+        os.close(self._fd)
         self.table.close(unlink=False)
         self.slab.close()
 

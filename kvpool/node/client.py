@@ -146,7 +146,7 @@ class NodeClient:
         now = time.monotonic()
         if now - at.checked >= RECHECK_S:
             at.checked = now
-            if _stat(at.node_path) != at.stat or at.table.epoch != at.epoch:
+            if _stat(at.node_path) != at.stat or at.table.epoch != at.epoch or not at.alive():
                 self._next_try = 0.0
                 return self._connect() or self._detach(at)
         return at
@@ -293,10 +293,15 @@ class NodeClient:
         return int(r)
 
     def report(self, name: str, figures: dict) -> None:
-        try:
-            self._call("report", {"name": name, "figures": figures})
-        except KvPoolError:
-            pass
+        """Sends a connector's figures to the pool (fire and forget: an engine's scheduler calls
+        this, and must not wait on a slow shard)."""
+        def send() -> None:
+            try:
+                self._call("report", {"name": name, "figures": figures})
+            except KvPoolError:
+                pass
+
+        threading.Thread(target=send, daemon=True, name="kvpool-report").start()
 
     # ---------------------------------------------------------------- writes
     def put(self, credential: str, keys: Sequence[ChunkKey], payloads: Sequence[object], *, shared: bool = False,
