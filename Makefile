@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e '.[dev,peers]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,peers,cluster]'
 	# NOTE: Mooncake's engine (the `peers` extra) links libibverbs and libnl even for TCP; this machine kind lacks
 	# them and CI has no root to install them, so their .debs are extracted into the venv (warns without apt-get).
 	bash kvpool/node/get-mooncake-libs.sh $(VENV)/mooncake-sysroot

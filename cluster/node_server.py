@@ -33,8 +33,8 @@ from kvpool.cluster.shard_access import joined_request, where, who, writer
 from kvpool.errors import BadRequest, KvPoolError, PoolFull, Unavailable
 from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import wire
+from kvpool.node.staging import STAGE_BYTES, Stage
 from kvpool.node.staging import SUFFIX as STAGE_SUFFIX
-from kvpool.node.staging import Stage
 from kvpool.node.table import PageTable
 
 log = logging.getLogger("kvpool.node")
@@ -42,7 +42,7 @@ RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 PEER_OPS = frozenset({"peer_get"})
 LOADS_EVERY_S = 2.0
 MAX_KEYS = 2048  # chunks in one call
-CONNECTION_OPS = frozenset({"stage", "put_staged"})
+CONNECTION_OPS = frozenset({"stage", "put_staged", "get"})
 SPILL_MARGIN = 0.10
 
 
@@ -269,7 +269,8 @@ class NodeServer:
     def op_stage(self, deadline: float, conn: dict) -> dict:
         """This connection's staging file (kvpool.node.staging), created on first ask."""
         if conn.get("stage") is None:
-            conn["stage"] = Stage.create(os.path.dirname(self.paths["node"]), self.shard.pool)
+            nbytes = min(max(STAGE_BYTES, 2 * self.info["page_bytes"] + 4096), 1 << 30)  # two chunks at least
+            conn["stage"] = Stage.create(os.path.dirname(self.paths["node"]), self.shard.pool, nbytes)
         return {"path": conn["stage"].path, "nbytes": conn["stage"].nbytes}
 
     def op_put_staged(self, credential: str, keys: list, sizes: list, offsets: list, deadline: float, conn: dict,
@@ -379,21 +380,40 @@ class NodeServer:
         finally:
             self._loads_lock.release()
 
-    def op_get(self, credential: str, keys: list, deadline: float, shared: bool = False) -> tuple[int, list]:
-        """The leading run of ``keys`` from wherever the index lists them: this shard's own store
-        (a chunk on its disk tier), other shards straight from their peer port (cluster/peers.py),
-        or through Ray for a shard that has none. Bytes come back as the reply's payloads."""
+    def op_get(self, credential: str, keys: list, deadline: float, conn: dict, shared: bool = False,
+               shards: list | None = None):
+        """The leading run of ``keys`` from wherever the index lists them (or ``shards`` says: the
+        engine's own lookup): this shard's own store (a chunk on its disk tier), other shards
+        straight from their peer port (cluster/peers.py), or through Ray for a shard that has none.
+        The bytes land in the connection's staging file when it has one and they fit (the reply
+        says where: ``staged``), else they come back as the reply's payloads."""
         p = who(self.shard, credential)
         pool = self._pool()
         ks = self._keys(keys, shared)
-        hit = pool.index.lookup(pool.addresses(credential, ks))
+        if isinstance(shards, list) and shards and all(isinstance(x, str) for x in shards):
+            count, located = min(len(shards), len(ks)), shards
+        else:
+            hit = pool.index.lookup(pool.addresses(credential, ks))
+            count, located = hit.count, hit.shards
+        stage, cursor, staged = conn.get("stage"), [0], []
+
+        def into(lens: list) -> list | None:  # staging regions for the next payloads, if they fit
+            if stage is None:
+                return None
+            offsets = stage.layout_from(cursor[0], lens)
+            if offsets is None:
+                return None
+            cursor[0] = offsets[-1] + lens[-1] if lens else cursor[0]
+            staged.extend([o, n] for o, n in zip(offsets, lens))
+            return [stage.buf[o : o + n] for o, n in zip(offsets, lens)]
+
         out: list = []
         i = 0
-        shards = pool.shards
-        while i < hit.count:
-            sid = hit.shards[i]
+        peers = pool.shards
+        while i < count:
+            sid = located[i]
             j = i
-            while j < hit.count and hit.shards[j] == sid:
+            while j < count and located[j] == sid:
                 j += 1
             run = ks[i:j]
             try:
@@ -403,8 +423,9 @@ class NodeServer:
                         if a is None:
                             break
                         got.append(a)
-                elif shards.get(sid, {}).get("peer"):
-                    got = self.links.fetch(shards[sid]["peer"], credential, [bytes(k) for k in run], shared, deadline)
+                elif peers.get(sid, {}).get("peer"):
+                    got = self.links.fetch(peers[sid]["peer"], credential, [bytes(k) for k in run], shared, deadline,
+                                           into=into)
                 else:
                     got = pool.get(credential, run)
             except KvPoolError as e:
@@ -416,7 +437,9 @@ class NodeServer:
             if len(got) < len(run):
                 break
             i = j
-        return len(out), out
+        if staged and len(staged) >= len(out):
+            return {"count": len(out), "staged": staged[: len(out)]}, []
+        return {"count": len(out)}, out
 
     def op_peer_get(self, pool: str, credential: str, keys: list, deadline: float, shared: bool = False):
         return serve_peer_get(self.shard, pool, credential, keys, shared)

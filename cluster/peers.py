@@ -43,9 +43,11 @@ class PeerLinks:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return wire.Channel(s)
 
-    def fetch(self, address: str, credential: str, keys: list[bytes], shared: bool, deadline: float) -> list[np.ndarray]:
+    def fetch(self, address: str, credential: str, keys: list[bytes], shared: bool, deadline: float,
+              into=None) -> list[np.ndarray]:
         """The leading run of ``keys`` (a tenant's, by its ``credential``) the peer at ``address``
-        holds, each verified; a failure raises (the caller counts the rest as misses)."""
+        holds, each verified; a failure raises (the caller counts the rest as misses). ``into(lens)``
+        may give the buffers the bytes land in (None: new arrays)."""
         with self._lock:
             idle = self._idle.setdefault(address, [])
             ch = idle.pop() if idle else None
@@ -58,7 +60,8 @@ class PeerLinks:
             if not (isinstance(reply, list) and len(reply) == 3):
                 raise Unavailable("a peer shard answered with a malformed reply")
             ok, result, lens = reply
-            arrays = ch.recv_payloads(lens or [], deadline=deadline)
+            lens = lens or []
+            arrays = ch.recv_payloads(lens, into(lens) if into is not None and ok and lens else None, deadline=deadline)
         except (OSError, KvPoolError) as e:
             if ch is not None:
                 ch.close()

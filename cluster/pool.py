@@ -176,14 +176,16 @@ class ClusterPool(KeyedPool):
 
 @contextlib.contextmanager
 def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int, address: str | None = None,
-                       index_url: str | None = None):
+                       index_url: str | None = None, client: str = "node"):
     """A pool on local Ray (started here, or ``address``) with the embedded index (or Redis at
-    ``index_url``); torn down after."""
+    ``index_url``); torn down after. ``client``: ``"node"`` (as engines reach it: through this
+    node's shard, kvpool.node.client) or ``"ray"`` (a PoolClient, a Ray driver)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from kvpool.cluster.bootstrap import down, up
+    from kvpool.cluster.bootstrap import down, shard_id_of, up
     from kvpool.cluster.client import PoolClient
+    from kvpool.node.client import NodeClient
 
     ns = "kvpool-demo"
     if not address:
@@ -191,15 +193,19 @@ def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int
     if address:
         ray.init(address=address, namespace=ns, logging_level="ERROR", log_to_driver=False)
     else:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR", log_to_driver=False)
-    client = None
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR",
+                 log_to_driver=False)
+    opened = None
     try:
         up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": dram_chunks},
            tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
-        client = PoolClient(namespace=ns, timeout_s=10.0, index_url=index_url)
-        yield ClusterPool(spec, client, tenants)
+        if client == "node":
+            opened = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), timeout_s=10.0)
+        else:
+            opened = PoolClient(namespace=ns, timeout_s=10.0, index_url=index_url)
+        yield ClusterPool(spec, opened, tenants)
     finally:
-        if client is not None:
-            client.close()
+        if opened is not None:
+            opened.close()
         down(namespace=ns)
         ray.shutdown()

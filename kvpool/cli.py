@@ -263,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     except KvPoolError as e:
         print(f"kvpool: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+        # NOTE: engines install kvpool without Ray (they reach the pool through their node's shard)
+        print("kvpool: this command runs the pool on Ray, which is not installed here: "
+              "pip install 'kvpool[cluster]' (make venv installs it)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
     spec = model_spec(model, model_id="test/tiny-llama", chunk_tokens=CHUNK)
     ids = prompt(4 * CHUNK + 2, seed=9)
     full = model(input_ids=ids).logits[0, -1]
-    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=64) as pool:
+    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=64, client="ray") as pool:  # a Ray driver
         conn = HFConnector(model, pool, tenant="a")
         assert conn.prefill(ids).saved_chunks == 4
         warm = conn.prefill(ids)

@@ -77,7 +77,7 @@ def test_another_tenants_credential_reads_nothing(pool):
     keys = make_keys(3, seed=2)
     assert c.put(ALICE, keys, [payload(i, PAGE) for i in range(3)]) == 3
     assert c.get(BOB, keys) == [] and c.lookup(BOB, keys).count == 0
-    assert c._call("get", {"credential": BOB, "keys": [bytes(k) for k in keys]})[0] == 0
+    assert c._call("get", {"credential": BOB, "keys": [bytes(k) for k in keys]})[0]["count"] == 0
 
 
 def test_the_peer_port_serves_only_the_pools_own_processes(pool):

@@ -159,10 +159,12 @@ class NodeClient:
 
     # ---------------------------------------------------------------- calls on the socket
     def _call(self, op: str, args: dict, payloads: Sequence[np.ndarray] = (),
-              outs: Sequence[np.ndarray | None] | None = None, prepare=None):
+              outs: Sequence[np.ndarray | None] | None = None, prepare=None, after=None):
         """(result, payloads) of one call, within ``timeout_s``. A failure of the shard or the socket
         raises Unavailable; the shard's typed errors keep their type. ``prepare(channel, args,
-        deadline)`` runs on the channel the call goes out on and returns its arguments."""
+        deadline)`` runs on the channel the call goes out on and returns its arguments;
+        ``after(channel, result, payloads)`` runs on a good reply before the channel is free again
+        and returns the payloads."""
         at = self._attached()
         if at is None:
             raise Unavailable(f"no shard of pool {self.pool!r} answers on this node")
@@ -175,6 +177,8 @@ class NodeClient:
             if prepare is not None:
                 args = prepare(sock, args, deadline)
             ok, result, got = self._exchange(sock, op, args, payloads, outs, deadline)
+            if ok and after is not None:
+                got = after(sock, result, got)
         except (OSError, KvPoolError) as e:
             if sock is not None:
                 _close(sock)
@@ -202,26 +206,49 @@ class NodeClient:
         ok, result, lens = reply
         return ok, result, sock.recv_payloads(lens or [], outs, deadline=deadline)
 
+    def _stage(self, sock: wire.Channel, deadline: float) -> Stage:
+        """The channel's staging file, asked for once per connection."""
+        stage = getattr(sock, "stage", None)
+        if stage is None:
+            ok, r, _ = self._exchange(sock, "stage", {}, (), None, deadline)
+            if not ok:
+                raise wire.decode_error(r)
+            stage = sock.stage = Stage.attach(r["path"], r["nbytes"])
+        return stage
+
     def _staged(self, arrays: Sequence[np.ndarray]):
-        """``prepare`` for ``put_staged``: the channel's staging file (asked for once per
-        connection), filled with ``arrays``; their offsets go with the call."""
+        """``prepare`` for ``put_staged``: the channel's staging file filled with ``arrays``;
+        their offsets go with the call."""
         def prepare(sock: wire.Channel, args: dict, deadline: float) -> dict:
-            stage = getattr(sock, "stage", None)
-            if stage is None:
-                ok, r, _ = self._exchange(sock, "stage", {}, (), None, deadline)
-                if not ok:
-                    raise wire.decode_error(r)
-                stage = sock.stage = Stage.attach(r["path"], r["nbytes"])
+            stage = self._stage(sock, deadline)
             offsets = stage.layout(arrays)
             assert offsets is not None, "the caller checked that the chunks fit STAGE_BYTES"
             stage.fill(arrays, offsets)
             return dict(args, offsets=offsets)
         return prepare
 
+    def _unstage(self, dsts: Sequence[np.ndarray] | None):
+        """``after`` for ``get``: chunks the shard left in the channel's staging file, copied out
+        (into ``dsts`` when given) before another call can reuse it."""
+        def after(sock: wire.Channel, result: dict, got: list) -> list:
+            places = result.get("staged")
+            if not places:
+                return got
+            stage, out = sock.stage, []
+            for i, (off, n) in enumerate(places):
+                src = stage.region(off, n)
+                dst = dsts[i][:n] if dsts is not None and i < len(dsts) and dsts[i].shape[0] >= n else np.empty(
+                    n, dtype=np.uint8)
+                np.copyto(dst, src)
+                out.append(dst)
+            return out
+        return after
+
     # ---------------------------------------------------------------- the PoolClient surface
     @property
     def shards(self) -> dict:
-        at = self._at
+        """This node's shard (its page size), or nothing while none answers."""
+        at = self._attached()
         return {} if at is None else {at.info["shard"]: {"page_bytes": at.info["page_bytes"]}}
 
     @property
@@ -378,8 +405,13 @@ class NodeClient:
         if n == len(keys) or (hit is not None and hit.count <= n):
             return out
         try:
-            count, got = self._call("get", {"credential": credential, "keys": [bytes(k) for k in keys[n:]],
-                                            "shared": is_shared(keys)}, outs=None if dsts is None else dsts[n:])
+            rest = None if dsts is None else dsts[n:]
+            args = {"credential": credential, "keys": [bytes(k) for k in keys[n:]], "shared": is_shared(keys)}
+            if hit is not None and hit.count > n:
+                args["shards"] = list(hit.shards[n : hit.count])  # where the caller's lookup found them
+            r, got = self._call("get", args, outs=rest, prepare=lambda ch, a, d: (self._stage(ch, d), a)[1],
+                                after=self._unstage(rest))
+            count = int(r["count"])
             out.extend(got[:count])
             if count:
                 self.counts["get_remote"] += 1

@@ -43,6 +43,8 @@ class Stage:
 
     @classmethod
     def create(cls, directory: str, pool: str, nbytes: int = STAGE_BYTES) -> "Stage":
+        """A new staging file of ``nbytes`` (its memory reserved now: a full run dir is an error
+        here, never a SIGBUS in a copy later)."""
         path = os.path.join(directory, f"{stage_prefix(pool)}{secrets.token_hex(8)}{SUFFIX}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -67,10 +69,14 @@ class Stage:
 
     def layout(self, arrays: Sequence[np.ndarray]) -> list[int] | None:
         """Where each array goes in the file, or None when they do not fit."""
-        offsets, at = [], 0
-        for a in arrays:
+        return self.layout_from(0, [a.nbytes for a in arrays])
+
+    def layout_from(self, start: int, sizes: Sequence[int]) -> list[int] | None:
+        """Where chunks of ``sizes`` go from ``start`` on, aligned, or None when they do not fit."""
+        offsets, at = [], -(-start // ALIGN) * ALIGN
+        for n in sizes:
             offsets.append(at)
-            at += -(-a.nbytes // ALIGN) * ALIGN
+            at += -(-n // ALIGN) * ALIGN
         return offsets if at <= self.nbytes else None
 
     def fill(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
