@@ -58,19 +58,40 @@ def _bench_peers(args: argparse.Namespace) -> int:
 
 
 def _bench_datapath(args: argparse.Namespace) -> int:
-    from kvpool.cluster import bench_datapath as datapath
+    if args.rdt or args.aggregate or args.ray_client:  # the issue 5 benchmark: a Ray client of the pool
+        from kvpool.cluster import bench_datapath as datapath
 
-    if args.rdt:
-        result = datapath.probe_rdt()
-        print(json.dumps(result, indent=2))
+        if args.rdt:
+            result = datapath.probe_rdt()
+            print(json.dumps(result, indent=2))
+            return 0
+        if args.aggregate:
+            rows = datapath.run_aggregate(max_nodes=args.nodes, progress=not args.json)
+            print(json.dumps(rows, indent=2) if args.json else datapath.format_aggregate(rows))
+            return 0
+        result = datapath.run(nodes=args.nodes, progress=not args.json)
+        print(json.dumps(result, indent=2) if args.json else datapath.format_table(result))
         return 0
-    if args.aggregate:
-        rows = datapath.run_aggregate(max_nodes=args.nodes, progress=not args.json)
-        print(json.dumps(rows, indent=2) if args.json else datapath.format_aggregate(rows))
-        return 0
-    result = datapath.run(nodes=args.nodes, progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else datapath.format_table(result))
-    return 0
+    from kvpool.cluster import bench_node
+
+    if args.rounds < 1 or args.ops256 < 1 or args.ops32 < 1 or args.large_mib < 1 or args.dram_pages < 4:
+        raise BadRequest("--rounds, --ops256, --ops32, --large-mib: at least 1; --dram-pages: at least 4")
+    peers = bench_node.mooncake_installed() if args.peers is None else args.peers
+    if peers and args.large_mib != 32:
+        raise BadRequest("--peers measures 32 MiB chunks: leave --large-mib at 32, or add --no-peers")
+    kw = dict(rounds=args.rounds, ops={"small": args.ops256, "large": args.ops32}, large_mib=args.large_mib,
+              peers=peers, redis_url=args.redis, dram_pages=args.dram_pages, progress=True)
+    if args.json:
+        with _stdout_to_stderr():  # Ray and Mooncake's native code log; --json prints only JSON
+            r = bench_node.run(**kw)
+        print(json.dumps(r, indent=2))
+    else:
+        r = bench_node.run(**kw)
+        print(bench_node.format_table(r))
+    why = bench_node.failures(r)
+    for w in why:
+        print(f"bench datapath: FAILED: {w}", file=sys.stderr)
+    return 1 if why else 0
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
@@ -114,12 +135,21 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         contexts = [int(c) for c in args.context.split(",")]
     except ValueError:
         raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
+    kw = dict(backend=args.backend, repeats=args.repeats, compare_local=args.compare_local)
     if args.json:
         with _stdout_to_stderr():  # engines log to stdout; --json prints only JSON there
-            rows = bench_ttft.run(args.engine, contexts, progress=False)
+            rows = bench_ttft.run(args.engine, contexts, progress=args.engine == "vllm-server", **kw)
         print(json.dumps(rows, indent=2))
     else:
-        print(bench_ttft.format_table(bench_ttft.run(args.engine, contexts, progress=True)))
+        rows = bench_ttft.run(args.engine, contexts, progress=True, **kw)
+        print(bench_ttft.format_table(rows))
+    if args.engine == "vllm-server":
+        from kvpool.connectors import vllm_server_bench
+
+        why = vllm_server_bench.failures(rows)
+        for w in why:
+            print(f"bench ttft: {w}", file=sys.stderr)
+        return 1 if why else 0
     return 0
 
 
@@ -184,9 +214,21 @@ def add_bench_parser(sub) -> None:
     bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(func=_bench_index)
-    bd = bsub.add_parser("datapath", help="same-node and cross-node chunk transfer vs copy and raw Ray")
-    bd.add_argument("--nodes", type=int, default=2, help="nodes (with --aggregate: grow from 1 to this many)")
-    bd.add_argument("--aggregate", action="store_true", help="one client per node at once, 1..N nodes")
+    bd = bsub.add_parser("datapath", help="the node data path (engines without Ray) vs Mooncake Store, Redis and "
+                         "memcpy in the same run; --ray-client: the Ray client's path vs copy and raw Ray")
+    bd.add_argument("--rounds", type=int, default=3, help="the output gives the range over rounds")
+    bd.add_argument("--ops256", type=int, default=200, help="operations per round on 256 KiB chunks (default 200)")
+    bd.add_argument("--ops32", type=int, default=8, help="operations per round on the large chunks (default 8)")
+    bd.add_argument("--large-mib", type=int, default=32, help="size of the large chunks in MiB (default 32)")
+    bd.add_argument("--dram-pages", type=int, default=32, help="pages of each node's slab (default 32)")
+    bd.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                    help="also Mooncake Store and Redis, round for round (default: when mooncake is installed)")
+    bd.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the Redis peer (else a redis-server of "
+                    "its own); the pool's index is always a redis-server of the run's own")
+    bd.add_argument("--ray-client", action="store_true", help="the issue 5 benchmark: a Ray client of the pool, "
+                    "32 MiB chunks vs a copy and raw Ray")
+    bd.add_argument("--nodes", type=int, default=2, help="--ray-client: nodes (with --aggregate: grow from 1 to this many)")
+    bd.add_argument("--aggregate", action="store_true", help="one Ray client per node at once, 1..N nodes")
     bd.add_argument("--rdt", action="store_true", help="probe Ray's direct tensor transport against the object store")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=_bench_datapath)
@@ -218,8 +260,15 @@ def add_bench_parser(sub) -> None:
     bx.add_argument("--json", action="store_true")
     bx.set_defaults(func=_bench_chaos)
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
-    bt.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
+                    help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
     bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    bt.add_argument("--backend", choices=["local", "node"], default=None,
+                    help="the pool: local (in-process) or node (a pool started outside the engine, reached "
+                    "through the node's shard); default: node for vllm-server, local otherwise")
+    bt.add_argument("--repeats", type=int, default=None, help="vllm-server: fresh prompts measured (default 5)")
+    bt.add_argument("--compare-local", action=argparse.BooleanOptionalAction, default=True,
+                    help="vllm-server with --backend node: also the in-process pool, in the same run")
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_bench_ttft)
     bw = bsub.add_parser("weights", help="cost of the weights fingerprint: first start and cached, beside a plain read")
