@@ -25,25 +25,23 @@ import socket
 import threading
 import time
 
-from kvpool.checksum import copy_with_checksum
-from kvpool.cluster.messages import Put, Write
+from kvpool.cluster.locations import Locations
+from kvpool.cluster.node_writes import NodeWrites
 from kvpool.cluster.peers import PeerLinks, serve_peer_get
+from kvpool.cluster.placement import Placement
 from kvpool.cluster.publisher import Publisher
-from kvpool.cluster.shard_access import joined_request, where, who, writer
-from kvpool.errors import BadRequest, KvPoolError, PoolFull, Unavailable
+from kvpool.cluster.shard_access import where, who
+from kvpool.errors import BadRequest, KvPoolError
 from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import wire
-from kvpool.node.staging import STAGE_BYTES, Stage
 from kvpool.node.staging import SUFFIX as STAGE_SUFFIX
 from kvpool.node.table import PageTable
 
 log = logging.getLogger("kvpool.node")
 RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 PEER_OPS = frozenset({"peer_get"})
-LOADS_EVERY_S = 2.0
 MAX_KEYS = 2048  # chunks in one call
 CONNECTION_OPS = frozenset({"stage", "put_staged", "get"})
-SPILL_MARGIN = 0.10
 
 
 def run_dir() -> str | None:
@@ -73,7 +71,7 @@ def node_paths(directory: str, pool: str, shard_id: str) -> dict[str, str]:
     return {"socket": base + ".sock", "table": base + ".kvtable", "node": base + ".node"}
 
 
-class NodeServer:
+class NodeServer(NodeWrites):
     """Serves the engines of this node for ``shard`` (a ShardActor instance, in its own process)."""
 
     def __init__(self, shard, directory: str, namespace: str | None, index_url: str | None,
@@ -94,10 +92,9 @@ class NodeServer:
         self._client_lock = threading.Lock()
         self._stop = threading.Event()
         self.served = 0
-        self.op_time: dict[str, float] = {}
-        self._other_loads: dict[str, tuple[int, int]] = {}
-        self._loads_at = float("-inf")
-        self._loads_lock = threading.Lock()  # seconds spent in each operation's handler
+        self.op_time: dict[str, float] = {}  # seconds spent in each operation's handler
+        self.placement = Placement(shard, self._pool)
+        self.locations = Locations()
         path = self.paths["socket"]
         try:
             os.unlink(path)
@@ -232,153 +229,15 @@ class NodeServer:
         return dict(self.info)
 
     def op_lookup(self, credential: str, keys: list, deadline: float, shared: bool = False) -> dict:
-        """The leading run the pool's index lists for the caller (verified here)."""
+        """The leading run the pool's index lists for the caller (verified here). Where it found
+        them is remembered a few seconds (cluster/locations.py): the engine's load usually follows
+        its lookup, and then needs no second one."""
         who(self.shard, credential)
-        hit = self._pool().lookup(credential, self._keys(keys, shared))
+        pool = self._pool()
+        addresses = pool.addresses(credential, self._keys(keys, shared))
+        hit = pool.index.lookup(addresses)
+        self.locations.remember(addresses[: hit.count], hit.shards[: hit.count])
         return {"count": hit.count, "shards": list(hit.shards), "error": hit.error}
-
-    def op_reserve(self, credential: str, keys: list, sizes: list, deadline: float, shared: bool = False,
-                   first_position: int = 0, request_id: int | None = None) -> dict:
-        """Pages of this node's slab for a write; ``full`` when this shard cannot take them (the
-        engine then sends the bytes and this shard places them elsewhere: ``op_put``)."""
-        shard = self.shard
-        p, addresses, _ = self._writer(credential, keys, shared)
-        if self._spill(len(sizes)) is not None:
-            return {"full": True}  # this node would evict to take them while another has room
-        raw = dict(zip(addresses, keys))
-        try:
-            hid, places = shard.store.reserve(addresses, list(sizes), p.tenant, shared=shared,
-                                              first_position=first_position,
-                                              request=joined_request(shard, request_id, p.tenant))
-        except PoolFull:
-            return {"full": True}
-        shard._reserved[hid] = [pl.key for pl in places]  # what its commit publishes
-        return {"hold": hid, "places": [[raw[pl.key], pl.offset, pl.nbytes] for pl in places]}
-
-    def _writer(self, credential: str, keys: list, shared: bool):
-        """The verified writer and its addresses; its 429 when the index refused its last writes
-        here; 503 when this shard was dropped from the pool (fenced)."""
-        if self.shard.fenced:
-            raise Unavailable(f"shard {self.shard.shard_id} was dropped from the pool (fenced)")
-        p, addresses, _ = writer(self.shard, credential, self._keys(keys), shared)
-        refused = self.publisher.refused(p.tenant)
-        if refused is not None:
-            raise refused  # over its quota across the pool
-        return p, addresses, None
-
-    def op_stage(self, deadline: float, conn: dict) -> dict:
-        """This connection's staging file (kvpool.node.staging), created on first ask."""
-        if conn.get("stage") is None:
-            nbytes = min(max(STAGE_BYTES, 2 * self.info["page_bytes"] + 4096), 1 << 30)  # two chunks at least
-            conn["stage"] = Stage.create(os.path.dirname(self.paths["node"]), self.shard.pool, nbytes)
-        return {"path": conn["stage"].path, "nbytes": conn["stage"].nbytes}
-
-    def op_put_staged(self, credential: str, keys: list, sizes: list, offsets: list, deadline: float, conn: dict,
-                      shared: bool = False, first_position: int = 0, request_id: int | None = None):
-        """Small chunks in one call: reserved, copied from the connection's staging file with their
-        checksums computed in the same pass, committed (published just after)."""
-        shard, stage = self.shard, conn.get("stage")
-        if stage is None:
-            raise BadRequest("put_staged needs this connection's staging file: ask for it with 'stage' first")
-        if not isinstance(offsets, list) or not isinstance(sizes, list) or len(offsets) != len(sizes) != len(keys):
-            raise BadRequest("put_staged takes one offset and one size per key")
-        p, addresses, _ = self._writer(credential, keys, shared)
-        if self._spill(len(sizes)) is not None:
-            return {"full": True}
-        src = dict(zip(addresses, (stage.region(o, n) for o, n in zip(offsets, sizes))))  # checked before anything
-        hid, places = shard.store.reserve(addresses, list(sizes), p.tenant, shared=shared, first_position=first_position,
-                                          request=joined_request(shard, request_id, p.tenant))
-        slab = shard.store.slab("dram").buf
-        try:
-            sums = [copy_with_checksum(slab[pl.offset : pl.offset + pl.nbytes], src[pl.key]) for pl in places]
-        except BaseException:
-            shard.store.abort(hid)
-            raise
-        n = shard.store.commit(hid, sums)
-        self.publisher.enqueue([pl.key for pl in places][:n])
-        return n
-
-    def op_commit(self, credential: str, hold: int, keys: list, checksums: list, deadline: float) -> int:
-        """The copies are done: the chunks are findable on this node now, and published to the
-        index just after (cluster/publisher.py), off the engine's path."""
-        shard = self.shard
-        if not isinstance(hold, int) or shard.store.hold_owner(hold) != who(shard, credential).tenant:
-            raise BadRequest(f"no reservation {hold} of this caller: it was committed, aborted or expired")
-        n = shard.store.commit(hold, checksums)
-        self.publisher.enqueue(shard._reserved.pop(hold, [])[:n])
-        return n
-
-    def op_abort(self, credential: str, hold: int, deadline: float) -> None:
-        if isinstance(hold, int) and self.shard.store.hold_owner(hold) == who(self.shard, credential).tenant:
-            self.shard.store.abort(hold)
-            self.shard._reserved.pop(hold, None)
-
-    def op_put(self, credential: str, keys: list, payloads: list, deadline: float, shared: bool = False,
-               first_position: int = 0) -> int:
-        """Chunks this node could not take without evicting: stored on the shard with the most room
-        (bytes over Ray), else here after all."""
-        import ray
-
-        who(self.shard, credential)
-        target = self._spill(len(keys))
-        if target is None:
-            r = self.shard.put(Put(Write(list(keys), credential, shared, first_position), payloads))
-            return int(r)
-        handle = self._pool()._view.handles.get(target)
-        if handle is None:
-            return 0
-        put = Put(Write(list(keys), credential, shared, first_position), payloads)
-        try:
-            return int(ray.get(handle.put.remote(put), timeout=max(deadline - time.monotonic(), 0.01)))
-        except Exception as e:  # noqa: BLE001 - the shard's own typed error, else a failed put
-            from kvpool.cluster.client_state import cause
-
-            err = cause(e)
-            raise err if isinstance(err, KvPoolError) else Unavailable(f"spilling to {target} failed") from None
-
-    def _spill(self, pages: int) -> str | None:
-        """Locality first, load bounded: the shard where ``pages`` new chunks go instead of this
-        one, or None to keep them here. They stay here while this node has free pages; when it
-        would have to evict, they go to the shard with the most free pages (measured every
-        ``LOADS_EVERY_S``) if it has room for them and at least ``SPILL_MARGIN`` of its DRAM more
-        free than this one."""
-        c = self.shard.store._cache
-        free, total = c.tier_pages[0] - c.tier_used(0), max(c.tier_pages[0], 1)
-        if free >= pages:
-            return None
-        loads = self._loads()
-        if not loads:
-            return None
-        sid, theirs = max(loads.items(), key=lambda kv: kv[1][0])
-        if theirs[0] >= pages and theirs[0] / max(theirs[1], 1) - free / total >= SPILL_MARGIN:
-            return sid
-        return None
-
-    def _loads(self) -> dict[str, tuple[int, int]]:
-        """Other shards' (free, total) DRAM pages, refreshed in the background."""
-        now = time.monotonic()
-        if now - self._loads_at >= LOADS_EVERY_S and self._loads_lock.acquire(blocking=False):
-            self._loads_at = now
-            threading.Thread(target=self._refresh_loads, daemon=True, name="kvpool-loads").start()
-        return self._other_loads
-
-    def _refresh_loads(self) -> None:
-        import ray
-
-        try:
-            view = self._pool()._view
-            refs = {sid: h.free_pages.remote() for sid, h in view.handles.items() if sid != self.shard.shard_id}
-            out = {}
-            for sid, ref in refs.items():
-                try:
-                    out[sid] = (int(ray.get(ref, timeout=1.0)), int(view.shards[sid].get("dram_pages", 0)))
-                except Exception:  # noqa: BLE001 - a shard that does not answer takes nothing
-                    continue
-            self._other_loads = out
-        except Exception:  # noqa: BLE001 - placement falls back to this node
-            log.exception("node: refreshing the shards' loads failed")
-        finally:
-            self._loads_lock.release()
 
     def op_get(self, credential: str, keys: list, deadline: float, conn: dict, shared: bool = False,
                shards: list | None = None):
@@ -390,11 +249,17 @@ class NodeServer:
         p = who(self.shard, credential)
         pool = self._pool()
         ks = self._keys(keys, shared)
+        addresses = pool.addresses(credential, ks)
+        recalled = False
         if isinstance(shards, list) and shards and all(isinstance(x, str) for x in shards):
             count, located = min(len(shards), len(ks)), shards
         else:
-            hit = pool.index.lookup(pool.addresses(credential, ks))
-            count, located = hit.count, hit.shards
+            located = self.locations.recall(addresses)
+            recalled = len(located) == len(ks)
+            if not recalled:
+                hit = pool.index.lookup(addresses)
+                located = hit.shards[: hit.count]
+            count = len(located)
         stage, cursor, staged = conn.get("stage"), [0], []
 
         def into(lens: list) -> list | None:  # staging regions for the next payloads, if they fit
@@ -437,6 +302,8 @@ class NodeServer:
             if len(got) < len(run):
                 break
             i = j
+        if recalled and len(out) < count:
+            self.locations.forget(addresses[len(out) :])  # remembered wrong (moved, evicted): asked anew next time
         if staged and len(staged) >= len(out):
             return {"count": len(out), "staged": staged[: len(out)]}, []
         return {"count": len(out)}, out
