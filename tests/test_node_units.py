@@ -44,7 +44,7 @@ def test_new_chunks_stay_local_while_there_is_room_and_spill_only_to_clearly_emp
     assert p.spill(4) == "far"  # would evict here; the emptiest has room
     p._others = {"far": (2 + int(SPILL_MARGIN * 100) - 1, 100)}
     assert p.spill(3) is None  # not clearly emptier: evict here instead
-    p._others = {"far": (2 + int(SPILL_MARGIN * 100), 100)}
+    p._others = {"far": (2 + int(SPILL_MARGIN * 100) + 1, 100)}
     assert p.spill(3) == "far"
     p._others = {"far": (3, 100)}
     assert p.spill(4) is None  # no room there either
