@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvpool.auth import claimed_tenant, is_credential, namespace_salt
@@ -40,6 +42,7 @@ class ClusterPool(KeyedPool):
             raise BadRequest(f"a tenant seals its payloads: start the pool with a page size >= "
                              f"{spec.chunk_nbytes + SEAL_OVERHEAD} (the chunk and {SEAL_OVERHEAD} B of seal)")
         self._keys = KeyMaker(spec, self._salt)
+        self._local = threading.local()  # load_views' reused buffers, per thread
 
     @property
     def secured(self) -> bool:
@@ -114,9 +117,32 @@ class ClusterPool(KeyedPool):
         return sealer_for(credential, is_credential(credential), self._sealers)
 
     def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator["OwnedChunk"]:
-        """:meth:`load` as views, the surface LocalPool gives (here each one owns its bytes, which
-        came over the network: releasing it frees nothing)."""
+        """:meth:`load` as views, the surface LocalPool gives. Over a node's shard (NodeClient) the
+        chunks of this node are read one at a time, as the caller asks for them, each verified into
+        one of two buffers this thread reuses (so a load touches no fresh pages, and the caller's
+        copy of chunk j overlaps nothing): a view is valid until the caller asks for the view after
+        next, and the caller releases each one before that (``with view: ...``). Chunks of other
+        nodes come in one call, as ``load`` reads them."""
+        self._check_tenant(tenant)
+        keys = as_keys(keys)
+        if self._sealer(tenant, keys) is None and getattr(self.client, "reads_in_place", False):
+            return self._node_views(tenant, keys)
         return (OwnedChunk(kv) for kv in self.load(tenant, keys))  # a generator: callers close() it
+
+    def _node_views(self, tenant: str, keys: list[ChunkKey]) -> Iterator["OwnedChunk"]:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].shape[0] != self.spec.chunk_nbytes:
+            bufs = self._local.bufs = [np.empty(self.spec.chunk_nbytes, dtype=np.uint8) for _ in range(2)]
+        for i in range(len(keys)):
+            got = self.client.get(tenant, keys[i : i + 1], outs=[bufs[i % 2]], local_only=True)
+            kv = self.codec.decode(got[0]) if got else None
+            if kv is None:
+                break
+            yield OwnedChunk(kv)
+        else:
+            return
+        for kv in self.load(tenant, keys[i:]):  # the rest from other nodes (or nowhere): one call
+            yield OwnedChunk(kv)
 
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
              shared: bool = False, request=None) -> int:

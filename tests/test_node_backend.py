@@ -115,6 +115,24 @@ def test_a_pool_opened_before_the_pool_ran_works_once_it_is_up(ray_pool):
     assert took < 2, took
 
 
+def test_load_views_read_this_nodes_chunks_one_at_a_time_into_reused_buffers(ray_pool):
+    pool = ray_pool[2]
+    keys = pool.keys("a", list(range(9000, 9000 + 3 * SPEC.chunk_tokens)))
+    data = chunks(11, 3)
+    assert pool.save("a", keys, data) == 3
+    views = pool.load_views("a", keys)
+    seen = []
+    for view in views:
+        with view:
+            seen.append(view.kv.clone())  # the caller copies each view before asking for the next
+    assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, data))
+    buffers = {v.kv.untyped_storage().data_ptr() for v in pool.load_views("a", keys)}
+    assert len(buffers) == 2  # two buffers, reused in turn: no fresh pages per load
+    assert list(pool.load_views("b", keys)) == []  # another tenant: nothing
+    more = pool.keys("a", list(range(9000, 9000 + 4 * SPEC.chunk_tokens)))
+    assert len(list(pool.load_views("a", more))) == 3  # a miss ends the run
+
+
 def test_a_client_made_while_no_pool_runs_is_a_fast_miss(tmp_path):
     t0 = time.monotonic()
     pool = open_pool(SPEC, config(str(tmp_path)))

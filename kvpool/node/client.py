@@ -385,10 +385,13 @@ class NodeClient:
             return 0
 
     # ---------------------------------------------------------------- reads
+    reads_in_place = True  # ClusterPool.load_views reads this node's chunks one at a time
+
     def get(self, credential: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None,
-            outs: Sequence[object] | None = None) -> list[np.ndarray]:
+            outs: Sequence[object] | None = None, local_only: bool = False) -> list[np.ndarray]:
         """The leading run of chunks, each verified: this node's slab first (no call), the rest
-        through the shard. Never raises on a failure of the pool: the run just ends there."""
+        through the shard (not with ``local_only``). Never raises on a failure of the pool: the run
+        just ends there."""
         at = self._attached()
         out: list[np.ndarray] = []
         dsts = None if outs is None else [as_byte_array(o, writable=True) for o in outs]
@@ -402,7 +405,7 @@ class NodeClient:
             if out:
                 self.counts["get_shm"] += 1
         n = len(out)
-        if n == len(keys) or (hit is not None and hit.count <= n):
+        if n == len(keys) or local_only or (hit is not None and hit.count <= n):
             return out
         try:
             rest = None if dsts is None else dsts[n:]
