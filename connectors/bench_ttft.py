@@ -4,7 +4,12 @@
   transformers connector on an in-process pool. Cold: the whole prompt computed; warm: the prefix
   loaded from the pool (all whole chunks but the last, which holds the token whose logits are
   needed) and the rest computed. ``same_output``: the greedy tokens of both runs are identical.
+  ``backend="node"``: the pool runs outside this process (a Ray head and ``kvpool up``, started
+  by :class:`kvpool.connectors.vllm_server_bench.NodePool`) and the connector reaches it through
+  a NodeClient, as an engine on a cluster does.
 - ``vllm``: delegated to ``kvpool.connectors.vllm_bench`` (run it with the engines' virtualenv).
+- ``vllm-server``: vLLM's OpenAI server, the pool on the node path (and the in-process pool for
+  comparison): :mod:`kvpool.connectors.vllm_server_bench`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ def bench_model():
     return tiny_llama(0, layers=8, hidden=512, heads=8, kv_heads=4, vocab=4096)
 
 
-def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chunk_tokens: int = 256) -> list[dict]:
+def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chunk_tokens: int = 256,
+           backend: str = "local") -> list[dict]:
     from kvpool.connectors.hf import HFConnector, model_spec
     from kvpool.pool import LocalPool
     from kvpool.tenants import Tenant, TenantRegistry
@@ -36,8 +42,29 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
     model = bench_model()
     spec = model_spec(model, model_id="kvpool/bench-llama", chunk_tokens=chunk_tokens)
     chunks = sum(c // chunk_tokens + 1 for c in contexts)
-    pool = LocalPool.create(spec, TenantRegistry([Tenant("bench")]), dram_chunks=chunks)
-    conn = HFConnector(model, pool, tenant="bench")
+    node = pool = None
+    if backend == "node":
+        from kvpool.connectors.pools import open_pool
+        from kvpool.connectors.vllm_server_bench import NodePool
+
+        node = NodePool(spec.chunk_nbytes, chunks + 8, progress)
+    try:
+        if node is not None:
+            node.start()
+            pool = open_pool(spec, node.connector_config())
+            conn = HFConnector(model, pool, tenant=node.credential)  # a secured pool: the tenant's credential
+        else:
+            pool = LocalPool.create(spec, TenantRegistry([Tenant("bench")]), dram_chunks=chunks)
+            conn = HFConnector(model, pool, tenant="bench")
+        return _measure_hf(conn, contexts, new_tokens, progress, backend)
+    finally:
+        if node is not None:
+            node.close()
+        elif pool is not None:
+            pool.store.close()
+
+
+def _measure_hf(conn, contexts: list[int], new_tokens: int, progress: bool, backend: str) -> list[dict]:
     rows = []
     with Progress(len(contexts), "bench ttft (hf)", enabled=progress) as bar:
         for i, ctx in enumerate(contexts):
@@ -53,10 +80,10 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
                 warm_s.append(warm.seconds)
                 loaded = warm.loaded_tokens
             c, w = statistics.median(cold_s), statistics.median(warm_s)
-            rows.append({"engine": "hf", "context": ctx, "cold_ttft_s": c, "warm_ttft_s": w, "speedup": c / w,
-                         "loaded_tokens": loaded, "same_output": cold_tok == warm_tok})
+            rows.append({"engine": "hf", "backend": backend, "context": ctx, "cold_ttft_s": c, "warm_ttft_s": w,
+                         "speedup": c / w, "loaded_tokens": loaded, "same_output": cold_tok == warm_tok,
+                         "cold_runs_s": cold_s, "warm_runs_s": warm_s})
             bar.advance(note=f"{ctx} tokens")
-    pool.store.close()
     return rows
 
 
@@ -89,9 +116,29 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int = 3) 
     return rows
 
 
-def run(engine: str, contexts: list[int], progress: bool = True) -> list[dict]:
+def run(engine: str, contexts: list[int], progress: bool = True, backend: str | None = None,
+        repeats: int | None = None, compare_local: bool = True) -> list[dict] | dict:
     if engine == "hf":
-        return run_hf(contexts, progress=progress)
+        if backend not in (None, "local", "node"):
+            raise BadRequest(f"--backend {backend!r}: the transformers benchmark runs local or node")
+        return run_hf(contexts, progress=progress, backend=backend or "local")
+    if engine == "vllm-server":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
+                             "--engine vllm-server` (make engines builds that virtualenv)") from None
+        from kvpool.connectors import vllm_server_bench
+
+        if len(contexts) != 1:
+            raise BadRequest("--engine vllm-server measures one --context (e.g. 4096)")
+        backend = backend or "node"
+        if backend not in ("node", "local"):
+            raise BadRequest(f"--backend {backend!r}: the server benchmark runs node or local")
+        backends = (backend, "local") if backend == "node" and compare_local else (backend,)
+        return vllm_server_bench.run(contexts[0], repeats or 5, backends, progress=progress)
+    if backend not in (None, "local"):
+        raise BadRequest(f"--backend {backend!r}: --engine vllm runs its in-process pool (local) only")
     if engine == "vllm":
         try:
             from kvpool.connectors import vllm_bench
@@ -99,10 +146,14 @@ def run(engine: str, contexts: list[int], progress: bool = True) -> list[dict]:
             raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
                              "--engine vllm` (make engines builds that virtualenv)") from None
         return run_vllm(vllm_bench, contexts, progress)
-    raise BadRequest(f"engine {engine!r}: choose hf or vllm")
+    raise BadRequest(f"engine {engine!r}: choose hf, vllm or vllm-server")
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict] | dict) -> str:
+    if isinstance(rows, dict):  # vllm-server
+        from kvpool.connectors import vllm_server_bench
+
+        return vllm_server_bench.format_table(rows)
     lines = [f"{'engine':<7}{'context':>8}{'cold s':>9}{'warm s':>9}{'speed-up':>10}{'native hit s':>14}  same output"]
     for r in rows:
         native = r.get("native_hit_ttft_s")

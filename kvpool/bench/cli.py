@@ -132,7 +132,8 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     from kvpool.connectors import bench_ttft
 
     try:
-        contexts = [int(c) for c in args.context.split(",")]
+        contexts = [int(c) for c in (args.context or ("4096" if args.engine == "vllm-server" else "1024,4096,16384"))
+                    .split(",")]
     except ValueError:
         raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
     kw = dict(backend=args.backend, repeats=args.repeats, compare_local=args.compare_local)
@@ -262,7 +263,8 @@ def add_bench_parser(sub) -> None:
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
                     help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
-    bt.add_argument("--context", default="1024,4096,16384", help="prompt lengths in tokens, comma-separated")
+    bt.add_argument("--context", default=None, help="prompt lengths in tokens, comma-separated (default "
+                    "1024,4096,16384; vllm-server: one, default 4096)")
     bt.add_argument("--backend", choices=["local", "node"], default=None,
                     help="the pool: local (in-process) or node (a pool started outside the engine, reached "
                     "through the node's shard); default: node for vllm-server, local otherwise")
