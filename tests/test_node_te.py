@@ -169,11 +169,18 @@ def test_a_hung_peer_fails_with_unavailable_within_the_bounds(engine, expected):
             t0 = time.monotonic()
             engine.read(other.session, other.addr, engine.dst[:4096])
             assert time.monotonic() - t0 < 1 and np.array_equal(engine.dst[:4096], expected[:4096])
-            # hung after contact: Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT, set to 5 s) ends the read
+            # hung after contact: Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT, set to 5 s) ends the read.
+            # Or the read is served without the stopped process (seen once in CI: a stopped process's registered
+            # memory stays readable); then the bytes must be right. Either way: bounded, never wrong bytes.
             other.kill(signal.SIGSTOP)
+            dst = engine.dst[:256 * KiB]
+            dst[:] = 0
             t0 = time.monotonic()
-            with pytest.raises(Unavailable):
-                engine.read(other.session, other.addr, engine.dst[:256 * KiB])
+            try:
+                engine.read(other.session, other.addr + 5, dst)
+                assert np.array_equal(dst, expected[5:5 + 256 * KiB]), "a read from a stopped peer returned wrong bytes"
+            except Unavailable:
+                pass
             assert time.monotonic() - t0 < te.TRANSFER_TIMEOUT_S + 2
             # the peer comes back: reads work again
             other.kill(signal.SIGCONT)
