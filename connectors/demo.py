@@ -1,15 +1,22 @@
 """``kvpool demo`` (what ``make demo`` runs): a real model on the pool, end to end.
 
 Starts local Ray with one shard and the embedded index (or joins ``--ray-address``; ``--redis``
-puts the index in Redis; ``--backend local`` keeps everything in this process), builds a small
-random-weight Llama (no download), and serves a multi-tenant, multi-turn chat workload through
-the transformers connector: each request loads its longest cached prefix from the pool and runs
-only the rest. The same request also runs with no pool (the baseline, same run), and every
-answer is checked: the last position's logits with the pool must equal those without it.
+puts the index in Redis; ``--backend local`` keeps everything in this process) and serves
+multi-tenant, multi-turn chats through the transformers connector: each request loads its
+longest cached prefix from the pool and runs only the rest. The same request also runs with no
+pool (the baseline, same run), and every answer is checked against it.
+
+``--model smollm2`` (the default) is SmolLM2-135M-Instruct (kvpool.connectors.smollm2) answering
+questions about documents that ship with Python (kvpool.connectors.demo_workload,
+kvpool.connectors.demo_chat): real answers, which must be the same greedy tokens with and
+without the pool. ``--model tiny`` is a small random-weight Llama on random tokens (no weights to
+load, seconds): the last position's logits with the pool must equal those without it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +27,13 @@ from kvpool.errors import BadRequest
 from kvpool.progress import Progress
 from kvpool.tenants import Tenant, TenantRegistry
 
+log = logging.getLogger("kvpool.connectors.demo")
+
 CHUNK = 64
 VOCAB = 4096
+# (tenants, conversations per tenant, turns) of each model's workload, and its pool's DRAM chunks
+DEFAULTS = {"smollm2": (3, 2, 2), "tiny": (3, 2, 4)}
+DRAM_CHUNKS = {"smollm2": 128, "tiny": 256}  # 128 SmolLM2 chunks of 64 tokens: 360 MiB
 
 
 @dataclass
@@ -31,13 +43,14 @@ class Request:
 
 
 def demo_model():
-    """The demo's model: 4 layers, hidden 256, 4 heads over 2 KV heads (head dim 64), fp32."""
+    """The tiny demo's model: 4 layers, hidden 256, 4 heads over 2 KV heads (head dim 64), fp32."""
     return tiny_llama(0, layers=4, hidden=256, heads=4, kv_heads=2, vocab=VOCAB)
 
 
 def workload(tenants: int = 3, conversations: int = 2, turns: int = 4, seed: int = 0) -> list[Request]:
-    """Each tenant has a 512-token system prompt; each turn re-sends the conversation so far plus
-    100-300 new tokens. Tenants and conversations interleave; a conversation's turns stay in order."""
+    """The tiny model's workload: each tenant has a 512-token system prompt; each turn re-sends
+    the conversation so far plus 100-300 new tokens. Tenants and conversations interleave; a
+    conversation's turns stay in order."""
     rng = np.random.default_rng(seed)
     convs: list[list[Request]] = []
     for t in range(tenants):
@@ -55,27 +68,73 @@ def workload(tenants: int = 3, conversations: int = 2, turns: int = 4, seed: int
     return out
 
 
-def run(tenants: int = 3, conversations: int = 2, turns: int = 4, progress: bool = True, backend: str = "ray",
+def run(model: str = "smollm2", tenants: int | None = None, conversations: int | None = None,
+        turns: int | None = None, *, max_new_tokens: int = 48, progress: bool = True, backend: str = "ray",
         ray_address: str | None = None, redis: str | None = None) -> dict:
-    names = [f"tenant-{t}" for t in range(tenants)]
-    torch.set_flush_denormal(True)  # NOTE: see kvpool.connectors.bench_ttft: random weights make denormals
-    model = demo_model()
-    spec = model_spec(model, model_id="kvpool/demo-llama", chunk_tokens=CHUNK)
+    """Runs the demo; the result's ``ok`` is False when an answer changed with the pool."""
+    if model not in DEFAULTS:
+        raise BadRequest(f"demo model {model!r}: choose 'smollm2' (the real model) or 'tiny' (random weights)")
+    if backend not in ("ray", "local"):
+        raise BadRequest(f"demo backend {backend!r}: choose 'ray' or 'local'")
+    if backend == "local" and redis:
+        raise BadRequest("--redis needs the Ray backend (the index is shared by the cluster's shards)")
+    if not 1 <= max_new_tokens <= 512:
+        raise BadRequest(f"--max-new-tokens {max_new_tokens}: give 1-512")
+    d = DEFAULTS[model]
+    tenants, conversations, turns = (d[i] if v is None else v for i, v in enumerate((tenants, conversations, turns)))
+    where = _where(backend, ray_address, redis)
+    if model == "tiny":
+        names = [f"tenant-{t}" for t in range(tenants)]
+        torch.set_flush_denormal(True)  # NOTE: see kvpool.connectors.bench_ttft: random weights make denormals
+        m = demo_model()
+        spec = model_spec(m, model_id="kvpool/demo-llama", chunk_tokens=CHUNK)
+        with _pool(spec, names, DRAM_CHUNKS[model], backend, ray_address, redis) as pool:
+            return _run(m, pool, names, conversations, turns, progress, where)
+    return _run_real(tenants, conversations, turns, max_new_tokens, progress, backend, ray_address, redis, where)
+
+
+def _run_real(tenants: int, conversations: int, turns: int, max_new_tokens: int, progress: bool, backend: str,
+              ray_address: str | None, redis: str | None, where: str) -> dict:
+    from kvpool.connectors import demo_chat, smollm2
+    from kvpool.connectors.demo_workload import plan
+
+    convs = plan(tenants, conversations, turns)  # bad counts fail before the model loads
+    smollm2.gguf_dir()  # not installed: a BadRequest naming the install, before anything starts
+    if progress:
+        log.warning("kvpool demo: loading SmolLM2-135M-Instruct (about 20 s)")
+    model, tok = smollm2.load()
+    spec = model_spec(model, model_id=smollm2.MODEL_ID, chunk_tokens=CHUNK)
+    names = list(dict.fromkeys(c.work.tenant for c in convs))
+    docs = {c.work.tenant: c.work.document for c in convs}
+    with _pool(spec, names, DRAM_CHUNKS["smollm2"], backend, ray_address, redis) as pool:
+        result = demo_chat.serve(model, tok, pool, convs, max_new_tokens=max_new_tokens, progress=progress)
+        result["store"] = pool.stats()
+    result.update(model="smollm2", model_name="SmolLM2-135M-Instruct", where=where,
+                  spec=spec.to_dict(), max_new_tokens=max_new_tokens,
+                  documents=[{"tenant": t, "title": d.title, "source": d.source,
+                              "tokens": len(tok(d.text)["input_ids"])} for t, d in docs.items()])
+    return result
+
+
+def _where(backend: str, ray_address: str | None, redis: str | None) -> str:
+    if backend == "local":
+        return "in-process pool"
+    where = "Ray cluster at " + ray_address if ray_address else "local Ray pool"
+    return where + (", index in Redis" if redis else ", embedded index")
+
+
+@contextlib.contextmanager
+def _pool(spec, names: list[str], dram_chunks: int, backend: str, ray_address: str | None, redis: str | None):
+    tenants = [Tenant(n) for n in names]
     if backend == "local":
         from kvpool.pool import LocalPool
 
-        if redis:
-            raise BadRequest("--redis needs the Ray backend (the index is shared by the cluster's shards)")
-        pool = LocalPool.create(spec, TenantRegistry([Tenant(n) for n in names]), dram_chunks=256)
-        return _run(model, pool, names, conversations, turns, progress, "in-process pool")
-    if backend != "ray":
-        raise BadRequest(f"demo backend {backend!r}: choose 'ray' or 'local'")
+        yield LocalPool.create(spec, TenantRegistry(tenants), dram_chunks=dram_chunks)
+        return
     from kvpool.cluster.pool import local_cluster_pool
 
-    where = "Ray cluster at " + ray_address if ray_address else "local Ray pool"
-    where += ", index in Redis" if redis else ", embedded index"
-    with local_cluster_pool(spec, [Tenant(n) for n in names], 256, ray_address, index_url=redis) as pool:
-        return _run(model, pool, names, conversations, turns, progress, where)
+    with local_cluster_pool(spec, tenants, dram_chunks, ray_address, index_url=redis) as pool:
+        yield pool
 
 
 def _run(model, pool, names: list[str], conversations: int, turns: int, progress: bool, where: str) -> dict:
@@ -105,11 +164,16 @@ def _run(model, pool, names: list[str], conversations: int, turns: int, progress
                 s["warm_ttft_s"].append(warm.seconds)
             bar.advance(note=r.tenant)
     stats = pool.stats()
-    return {"tenants": per_tenant, "verified_requests": int(verified), "worst_relative_diff": worst,
-            "store": stats, "spec": pool.spec.to_dict(), "where": where, "breakeven": conn.breakeven.stats()}
+    return {"model": "tiny", "ok": True, "tenants": per_tenant, "verified_requests": int(verified),
+            "worst_relative_diff": worst, "store": stats, "spec": pool.spec.to_dict(), "where": where,
+            "breakeven": conn.breakeven.stats()}
 
 
 def format_report(result: dict) -> str:
+    if result.get("model") == "smollm2":
+        from kvpool.connectors.demo_chat import format_report as chat_report
+
+        return chat_report(result)
     spec = result["spec"]
     lines = [
         f"kvpool demo: {result['where']}; random-weight {spec['model_id']} ({spec['num_layers']} layers, "

@@ -16,11 +16,10 @@ from kvpool.policies import describe_policies
 def _demo(args: argparse.Namespace) -> int:
     from kvpool.connectors import demo
 
-    result = demo.run(tenants=args.tenants, conversations=args.conversations, turns=args.turns,
+    result = demo.run(args.model, args.tenants, args.conversations, args.turns, max_new_tokens=args.max_new_tokens,
                       progress=not args.json, backend=args.backend, ray_address=args.ray_address, redis=args.redis)
     print(json.dumps(result, indent=2) if args.json else demo.format_report(result))
-    return 0
-
+    return 0 if result["ok"] else 1  # an answer that changed with the pool fails the demo
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -187,9 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run the main job on the embedded default")
-    d.add_argument("--tenants", type=int, default=3)
-    d.add_argument("--conversations", type=int, default=2, help="conversations per tenant")
-    d.add_argument("--turns", type=int, default=4)
+    d.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct answering questions about documents (default); "
+                   "tiny: a random-weight Llama on random tokens (no weights, seconds)")
+    d.add_argument("--tenants", type=int, help="tenants (default 3; smollm2 has 3 at most)")
+    d.add_argument("--conversations", type=int, help="conversations per tenant (default 2)")
+    d.add_argument("--turns", type=int, help="turns per conversation (default: 2 smollm2, 4 tiny)")
+    d.add_argument("--max-new-tokens", type=int, default=48, help="longest greedy answer (smollm2; default 48)")
     d.add_argument("--backend", choices=["ray", "local"], default="ray",
                    help="ray: local Ray with the embedded index (default); local: this process only")
     d.add_argument("--ray-address", help="run on this Ray cluster instead of a local one")

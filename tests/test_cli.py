@@ -24,8 +24,8 @@ def test_bench_store_json_has_the_figures_and_they_are_sane():
 
 @pytest.mark.parametrize("backend", ["ray", "local"])
 def test_demo_reuses_kv_and_verifies_it(backend):
-    out = json.loads(kvpool("demo", "--json", "--backend", backend, "--tenants", "2", "--conversations", "1",
-                            "--turns", "3").stdout)
+    out = json.loads(kvpool("demo", "--json", "--model", "tiny", "--backend", backend, "--tenants", "2",
+                            "--conversations", "1", "--turns", "3").stdout)
     assert out["where"] == {"ray": "local Ray pool, embedded index", "local": "in-process pool"}[backend]
     assert set(out["tenants"]) == {"tenant-0", "tenant-1"}
     for s in out["tenants"].values():
@@ -38,8 +38,8 @@ def test_demo_reuses_kv_and_verifies_it(backend):
 
 
 def test_demo_keeps_its_index_in_redis_when_asked(redis_url):
-    out = json.loads(kvpool("demo", "--json", "--redis", redis_url, "--tenants", "1", "--conversations", "1",
-                            "--turns", "2").stdout)
+    out = json.loads(kvpool("demo", "--json", "--model", "tiny", "--redis", redis_url, "--tenants", "1",
+                            "--conversations", "1", "--turns", "2").stdout)
     assert out["where"] == "local Ray pool, index in Redis"
     assert out["tenants"]["tenant-0"]["hit_tokens"] >= 512 and out["verified_requests"] == 2
 
