@@ -5,22 +5,24 @@ started in this process (what `kvpool demo` runs on)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvpool.auth import claimed_tenant, is_credential, namespace_salt
-from kvpool.codec import ChunkCodec
+from kvpool.codec import Formats, page_bytes, stored_nbytes
 from kvpool.errors import BadRequest, Unauthorized, UnknownTenant
-from kvpool.keying import KeyedPool, KeyMaker
-from kvpool.keys import ChunkKey, as_keys, is_shared
+from kvpool.keying import KeyedPool
+from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
 from kvpool.pool import OwnedChunk
 from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
 from kvpool.tenants import Tenant
+
+log = logging.getLogger(__name__)
 
 
 class ClusterPool(KeyedPool):
@@ -28,20 +30,27 @@ class ClusterPool(KeyedPool):
     shards verify it on every call), its id on an open one."""
 
     def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
-        self.codec = ChunkCodec(spec)
+        self._formats = Formats(spec, self._salt)
+        self.codec = self._formats.codec()
         pages = [info.get("page_bytes", 0) for info in client.shards.values()]
         if pages:
-            self.codec.check_page(min(pages), f"start the pool with a page size >= {spec.chunk_nbytes} "
-                                              "(kvpool up --page-size) or use smaller chunks")
+            need = page_bytes(spec, [t.storage_format for t in tenants])  # a tenant may store its own format
+            for fmt in ("", *(t.storage_format for t in tenants)):
+                self._formats.codec(fmt).check_page(min(pages), f"start the pool with a page size >= {need} "
+                                                                "(kvpool up --page-size) or use smaller chunks")
+            if min(pages) >= 2 * need:  # a page holds one chunk: the rest of it is idle
+                log.warning("the pool's pages hold %d B and a chunk of %s (%s) takes %d B: `kvpool up --page-size "
+                            "%d` would hold %dx more chunks in the same memory", min(pages), spec.model_id,
+                            spec.storage_format, need, need, min(pages) // need)
         self.spec = spec
         self.client = client
         self._salts = {t.id: t.salt for t in tenants}
         self._tenants = {t.id: t for t in tenants}
         self._sealers: dict[str, Sealer] = {}
-        if pages and any(t.encrypt for t in tenants) and min(pages) < spec.chunk_nbytes + SEAL_OVERHEAD:
+        if pages and any(t.encrypt for t in tenants) and min(pages) < need + SEAL_OVERHEAD:
             raise BadRequest(f"a tenant seals its payloads: start the pool with a page size >= "
-                             f"{spec.chunk_nbytes + SEAL_OVERHEAD} (the chunk and {SEAL_OVERHEAD} B of seal)")
-        self._keys = KeyMaker(spec, self._salt)
+                             f"{need + SEAL_OVERHEAD} (the chunk and {SEAL_OVERHEAD} B of seal)")
+        self._keys = self._formats.maker()
         self._local = threading.local()  # load_views' reused buffers, per thread
 
     @property
@@ -64,6 +73,24 @@ class ClusterPool(KeyedPool):
                                "(the operator issues it: kvpool auth issue TENANT)")
         if claimed_tenant(credential) not in self._salts:
             raise UnknownTenant(claimed_tenant(credential))
+
+    def _format(self, credential: str, shared: object) -> str:
+        """The storage format of the caller's chunks: its tenant's own, or the spec's (``""``; shared
+        keys are always in the spec's)."""
+        return "" if shared is True else self._tenants[claimed_tenant(credential)].storage_format
+
+    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
+                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
+        self._check_tenant(tenant)
+        return self._formats.maker(self._format(tenant, shared)).namespace(
+            tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
+
+    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
+             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
+        """The chunk keys of a prompt's whole chunks in the tenant's (or the shared) namespace and format."""
+        self._check_tenant(tenant)
+        return self._formats.maker(self._format(tenant, shared)).keys(
+            tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens covered by the leading run of chunks the index lists (one round trip)."""
@@ -99,12 +126,13 @@ class ClusterPool(KeyedPool):
         self._check_tenant(tenant)
         keys = as_keys(keys)
         sealer = self._sealer(tenant, keys)
+        codec = self._formats.codec(self._format(tenant, is_shared(keys)))
         where = self.client.addresses(tenant, keys) if sealer is not None else None
         out = []
         for i, data in enumerate(self.client.get(tenant, keys)):
             if sealer is not None:
                 data = sealer.open(where[i], data)
-            kv = None if data is None else self.codec.decode(data)
+            kv = None if data is None else codec.decode(data)
             if kv is None:
                 break
             out.append(kv)
@@ -130,12 +158,13 @@ class ClusterPool(KeyedPool):
         return (OwnedChunk(kv) for kv in self.load(tenant, keys))  # a generator: callers close() it
 
     def _node_views(self, tenant: str, keys: list[ChunkKey]) -> Iterator["OwnedChunk"]:
+        codec = self._formats.codec(self._format(tenant, is_shared(keys)))
         bufs = getattr(self._local, "bufs", None)
-        if bufs is None or bufs[0].shape[0] != self.spec.chunk_nbytes:
-            bufs = self._local.bufs = [np.empty(self.spec.chunk_nbytes, dtype=np.uint8) for _ in range(2)]
+        if bufs is None or bufs[0].shape[0] != codec.nbytes:
+            bufs = self._local.bufs = [codec.payload_buffer() for _ in range(2)]
         for i in range(len(keys)):
             got = self.client.get(tenant, keys[i : i + 1], outs=[bufs[i % 2]], local_only=True)
-            kv = self.codec.decode(got[0]) if got else None
+            kv = codec.decode(got[0]) if got else None
             if kv is None:
                 break
             yield OwnedChunk(kv)
@@ -152,7 +181,7 @@ class ClusterPool(KeyedPool):
         keys = as_keys(keys)
         if not isinstance(shared, bool) or is_shared(keys) != shared:
             raise BadRequest("shared=True goes with keys derived with keys(..., shared=True), and only with them")
-        payloads = self.codec.encode_run(keys, chunks, start)
+        payloads = self._formats.codec(self._format(tenant, shared)).encode_run(keys, chunks, start)
         sealer = self._sealer(tenant, keys)
         if sealer is not None:
             where = self.client.addresses(tenant, keys)
@@ -223,7 +252,8 @@ def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int
                  log_to_driver=False)
     opened = None
     try:
-        up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": dram_chunks},
+        up(store={"page_bytes": stored_nbytes(spec), "dram_pages": dram_chunks,
+                  "storage_format": spec.storage_format},
            tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
         if client == "node":
             opened = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), timeout_s=10.0)

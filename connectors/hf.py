@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.auth import claimed_tenant
+from kvpool.connectors import compress_store
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds, text_config
 from kvpool.connectors.pools import check_config, open_pool, spec_for
@@ -45,20 +46,26 @@ class PrefillResult:
     saved_chunks: int
     seconds: float
     timings: dict = field(default_factory=dict)
+    # Positions the cache is short of: a compressed prefix (kvpool.connectors.compress) holds fewer
+    # entries than the tokens it stands for, so the next token's position is
+    # cache.get_seq_length() + positions_ahead; pass it as position_ids when decoding yourself.
+    positions_ahead: int = 0
 
 
 def model_spec(model, *, model_id: str | None = None, chunk_tokens: int = 256, revision: str = "main",
-               weights: str | None = None):
+               weights: str | None = None, storage_format: str = "raw"):
     """The KV spec of a transformers decoder: its layers' kinds (from the config), the K and V
     shapes its cache really holds (one probe token), and its weights' fingerprint
     (``weights``: None or ``"auto"``, ``"files"``, ``"tensors"``, or your own name for them; see
-    :mod:`kvpool.connectors.weights`). Raises :class:`UnsupportedModel` for a family the
+    :mod:`kvpool.connectors.weights`) and how its chunks are stored (``storage_format``: ``"raw"``,
+    or a LOSSY, opt-in format of :mod:`kvpool.codec`). Raises :class:`UnsupportedModel` for a family the
     connector cannot serve correctly."""
     kinds, heads, k_dim, v_dim, dtype = model_layout(model)
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     return spec_for(name, len(kinds), heads, k_dim, dtype, chunk_tokens=chunk_tokens, revision=revision,
                     weights=model_weights(model, weights, revision), layer_kinds=kinds, v_head_dim=v_dim,
-                    engine=engine_scope(model.config, "transformers", type(model).__name__))
+                    engine=engine_scope(model.config, "transformers", type(model).__name__),
+                    storage_format=storage_format)
 
 
 def model_layout(model) -> tuple[tuple[str, ...], int, int, int, object]:
@@ -189,7 +196,8 @@ class HFConnector:
         self.model = model
         self._arg = _cache_argument(model)
         if pool is None:
-            self.spec = model_spec(model, model_id=model_id, chunk_tokens=cfg["chunk_tokens"], weights=weights)
+            self.spec = model_spec(model, model_id=model_id, chunk_tokens=cfg["chunk_tokens"], weights=weights,
+                                   storage_format=cfg["storage_format"])
             self.pool = open_pool(self.spec, config)
         else:
             self.spec, self.pool = pool.spec, pool
@@ -202,6 +210,10 @@ class HFConnector:
         self.load_failed = 0  # loads that failed unexpectedly: the request recomputed its prefix
         self._layers = self.spec.num_layers
         self._windowed = any(k.startswith(("sliding", "chunked")) for k in self.spec.layer_kinds)
+        # LOSSY, opt-in: long prompts stored compressed (kvpool.connectors.compress_store)
+        self.compress = compress_store.check_compress((config or {}).get("compress"), self.spec)
+        # per-chunk attention mass for the `importance` policy (a window's recompute per save)
+        self.report_attention = cfg.get("policy") == "importance" and compress_store.takes_attention(self.pool)
 
     # ---------------------------------------------------------------- cache <-> chunks
     def _new_cache(self):
@@ -284,7 +296,7 @@ class HFConnector:
         timings = {}
         request = None
         loaded: list[torch.Tensor] = []
-        cache = None
+        cache, ahead, compressed = None, 0, None
         if use_pool and keys:
             # NOTE: the KV of a token depends only on the tokens before it, so a cached chunk
             # holding the prompt's last token is loaded too and cut just before that token: on a
@@ -297,26 +309,39 @@ class HFConnector:
                 if loaded:
                     self.breakeven.observe_load(len(loaded) * self.spec.chunk_nbytes, time.perf_counter() - t1)
                 timings["load_s"] = time.perf_counter() - t1
+            if self.compress is not None:
+                compressed = compress_store.load_compressed(self, tenant, keys, n, min(len(loaded) * c, n - 1))
         try:
             hit = min(len(loaded) * c, n - 1)
             cache = cache if cache is not None else self._new_cache()
+            if compressed is not None:  # a compressed prefix of `hit` tokens held in fewer entries
+                cache, hit, entries = compressed
+                ahead = hit - entries
             t2 = time.perf_counter()
             device = next(self.model.parameters()).device
-            out = self.model(input_ids=ids[:, hit:].to(device), use_cache=True, **{self._arg: cache})
+            pos = {"position_ids": torch.arange(hit, n, device=device)[None]} if ahead else {}
+            out = self.model(input_ids=ids[:, hit:].to(device), use_cache=True, **pos, **{self._arg: cache})
             timings["prefill_s"] = time.perf_counter() - t2
             self.breakeven.observe_prefill(n - hit, timings["prefill_s"])
             self.breakeven.maybe_report(self.pool, f"transformers {self.spec.model_id} pid {_pid()}",
                                         self.spec.chunk_nbytes // self.spec.chunk_tokens)
-            if cache.get_seq_length() != n:
+            if cache.get_seq_length() + ahead != n:
                 raise RuntimeError(f"the model did not fill the cache it was given ({cache.get_seq_length()} of {n} "
                                    f"tokens): its forward ignored `{self._arg}=`; this transformers version is not "
                                    "supported")
             saved = 0
             whole = n // c
-            if save and use_pool and whole > len(loaded):
-                chunks = self._chunks_from_cache(cache, len(loaded), whole - len(loaded))
+            if save and use_pool and compressed is None and whole > len(loaded):
                 try:
-                    saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared)
+                    if self.compress is not None and whole * c > self.compress.budget:  # LOSSY, opt-in
+                        saved = compress_store.save_compressed(self.model, self.pool, self.spec, self.compress, tenant,
+                                                               keys, cache, ids, whole, shared=shared)
+                    else:
+                        chunks = self._chunks_from_cache(cache, len(loaded), whole - len(loaded))
+                        att = {"attention": compress_store.save_attention(self.model, cache, ids, c)
+                               } if self.report_attention else {}
+                        saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared,
+                                               **att)
                 except KvPoolError as e:  # a full pool or a spent quota: a future miss, not a failed request
                     log.warning("transformers connector: save for tenant %s refused (%s)", claimed_tenant(tenant), e)
                     self.save_refused += 1
@@ -325,7 +350,7 @@ class HFConnector:
                 self.pool.end(request)  # its chunks (loaded and saved) may be evicted again
         if self._windowed:
             cache = self._own_cache(cache)
-        return PrefillResult(out.logits, cache, n, hit, saved, time.perf_counter() - t0, timings)
+        return PrefillResult(out.logits, cache, n, hit, saved, time.perf_counter() - t0, timings, ahead)
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 8, **kw) -> tuple[list[int], PrefillResult]:
@@ -338,7 +363,10 @@ class HFConnector:
             tokens.append(nxt)
             if len(tokens) == max_new_tokens:
                 break
-            out = self.model(input_ids=torch.tensor([[nxt]], device=device), use_cache=True, **{self._arg: cache})
+            pos = cache.get_seq_length() + first.positions_ahead
+            extra = {"position_ids": torch.tensor([[pos]], device=device)} if first.positions_ahead else {}
+            out = self.model(input_ids=torch.tensor([[nxt]], device=device), use_cache=True, **extra,
+                             **{self._arg: cache})
             nxt = int(out.logits[0, -1].argmax())
         return tokens, first
 

@@ -24,7 +24,8 @@ config):
   it (Ray's driver gives up after its GCS timeout), so prefer ``"node"``;
 - ``pool``: the pool's name (default ``"default"``); ``dram_mib`` a local pool's size (default 1024);
 - ``tenants``: the tenants the pool serves (default ``["default"]``), each an id or a dict with
-  ``id``, the :class:`~kvpool.tenants.Tenant` settings (``quota_bytes``, ``priority``, ...) and,
+  ``id``, the :class:`~kvpool.tenants.Tenant` settings (``quota_bytes``, ``priority``,
+  ``storage_format`` to store its chunks in a format of its own, ...) and,
   for the engines' request routing (:mod:`kvpool.connectors.tenancy`), optional
   ``request_secret`` (what an API user sends to be served as this tenant) and ``credential`` (the
   tenant's pool credential, ``kvp1...``, for a secured pool); ``tenant``: the one a request
@@ -34,7 +35,14 @@ config):
   ``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET`` when set): the pool then takes credentials, and the
   configured tenants' credentials are issued here. A cluster's engines never hold its secret:
   they take credentials;
-- ``chunk_tokens`` (default 256).
+- ``chunk_tokens`` (default 256);
+- ``storage_format``: how chunks are stored, ``"raw"`` (default: the KV's own bytes, exact) or one
+  of the LOSSY formats ``"fp8"``, ``"int8"``, ``"int4-kivi"``, ``"int2-kivi"`` (opt-in: chunks are
+  quantized on save and dequantized on load, so the model continues from KV close to, not equal
+  to, its own; see :mod:`kvpool.codec` and docs/formats.md). The format is part of every chunk's
+  key: engines of other formats never read each other's chunks. A local pool sizes its pages to
+  the stored chunk (``dram_mib`` holds ~1/bytes-ratio more chunks); a cluster pool needs
+  ``kvpool up --page-size`` of at least the stored chunk (:func:`kvpool.codec.stored_nbytes`).
 """
 
 from __future__ import annotations
@@ -45,16 +53,21 @@ import threading
 from typing import Any
 
 from kvpool.auth import SECRET_FILE_ENV, Authority
-from kvpool.errors import BadRequest
+from kvpool.codec import page_bytes
+from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.pool import LocalPool
-from kvpool.spec import KVSpec
+from kvpool.spec import STORAGE_FORMATS, KVSpec
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
 BACKENDS = ("local", "node", "ray")
 KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "ray_address", "namespace",
               "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
-              "run_dir"}
+              "run_dir", "storage_format",
+              "compress"}  # transformers connector only (kvpool.connectors.compress_store); paged engines refuse it
+NO_COMPRESS = ("compress (token eviction on save) is for the transformers connector only: {engine} is a paged "
+               "engine whose blocks hold every token at its own position, so it cannot load a compressed prefix "
+               "(fewer entries than positions); remove `compress` from this config (see docs/compression.md)")
 # Keys of a tenant's dict that route requests (kvpool.connectors.tenancy); the rest are Tenant's.
 TENANT_AUTH_KEYS = ("request_secret", "credential")
 TENANT_KEYS = frozenset(f.name for f in dataclasses.fields(Tenant)) | set(TENANT_AUTH_KEYS)
@@ -106,11 +119,15 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     for k in ("credentials_file", "secret_file"):
         if k in config and (not isinstance(config[k], str) or not config[k]):
             raise BadRequest(f"{k} is the path of a file, got {type(config[k]).__name__}")
+    fmt = config.get("storage_format", "raw")
+    if fmt not in STORAGE_FORMATS:
+        raise BadRequest(f"storage_format {fmt!r} is not one of {', '.join(map(repr, STORAGE_FORMATS))} "
+                         "('raw' is exact; the others are lossy and opt-in)")
     if "secret_file" in config and backend != "local":
         raise BadRequest("secret_file secures a local pool; a cluster's engines take credentials, never its secret: "
                          "set credentials_file or the tenants' credential instead")
     return {"backend": backend, "pool": config.get("pool", "default"), "dram_mib": int(config.get("dram_mib", 1024)),
-            "tenants": list(tenants), "chunk_tokens": int(config.get("chunk_tokens", 256)),
+            "tenants": list(tenants), "chunk_tokens": int(config.get("chunk_tokens", 256)), "storage_format": fmt,
             **{k: config[k] for k in ("tenant", "ray_address", "namespace", "index_url", "timeout_s", "policy",
                                       "load_min_tokens", "credentials_file", "secret_file", "shard", "run_dir")
                if k in config}}
@@ -162,16 +179,25 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
     """A ``LocalPool`` or a ``ClusterPool`` (over a NodeClient or a PoolClient) for ``spec``: same
     surface (keys, lookup, begin, load, save, end)."""
     cfg = check_config(config or {})
+    if "storage_format" in (config or {}) and cfg["storage_format"] != spec.storage_format:
+        raise BadRequest(f"the config's storage_format {cfg['storage_format']!r} is not the spec's "
+                         f"{spec.storage_format!r}: build the spec with spec_for(..., storage_format=)")
     tenants = pool_tenants(cfg)
     if cfg["backend"] == "local":
         with _lock:
             store = _local_stores.get(cfg["pool"])
             if store is None:
-                pages = max(1, (cfg["dram_mib"] << 20) // spec.chunk_nbytes)
-                store = ChunkStore(StoreConfig(spec.chunk_nbytes, pages, policy=cfg.get("policy", "adaptive")),
-                                   TenantRegistry(tenants))
+                page = page_bytes(spec, [t.storage_format for t in tenants])  # quantized, in a lossy format
+                pages = max(1, (cfg["dram_mib"] << 20) // page)
+                store = ChunkStore(StoreConfig(page, pages, policy=cfg.get("policy", "adaptive"),
+                                               storage_format=spec.storage_format), TenantRegistry(tenants))
                 _local_stores[cfg["pool"]] = store
             else:
+                need = page_bytes(spec, [t.storage_format for t in tenants])
+                if need > store.page_bytes:
+                    raise LayoutMismatch(f"local pool {cfg['pool']!r} was opened with pages of {store.page_bytes} B, "
+                                         f"for a smaller chunk (another model or storage_format); a chunk of this "
+                                         f"spec takes {need} B: give this connector its own pool name")
                 for t in tenants:
                     store.tenants.add(t)
         return LocalPool(spec, store, pool_authority(cfg))

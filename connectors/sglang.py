@@ -12,7 +12,9 @@ SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interfac
 ``tp_lcm_size``, the ``prefetch_*`` knobs, ...) are stripped; the rest is the pool config of
 :mod:`kvpool.connectors.pools` (``backend`` local/node/ray, ``pool``, ``dram_mib``, ``tenants``,
 ``tenant``, ...), checked by its ``check_config`` (an unknown key is a BadRequest naming the known
-ones). The backend declares SGLang's zero-copy interface (``interface_v1``) in that config unless
+ones). ``"storage_format"`` (``"fp8"``, ``"int8"``, ``"int4-kivi"``, ``"int2-kivi"``) stores pages
+quantized: LOSSY and opt-in, a page read back is close to, not equal to, the page written. The
+backend declares SGLang's zero-copy interface (``interface_v1``) in that config unless
 the operator set it, so SGLang moves pages with :meth:`KVPoolStorage.batch_get_v1` /
 :meth:`KVPoolStorage.batch_set_v1`, which copy straight between the host pool's pages and pool
 chunks: a page on an aligned run of host slots (what SGLang's host allocator hands out) is one
@@ -53,7 +55,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvpool.connectors.breakeven import BreakEven
-from kvpool.connectors.pools import check_config, open_pool, spec_for
+from kvpool.connectors.pools import NO_COMPRESS, check_config, open_pool, spec_for
 from kvpool.connectors.sglang_keys import PageKeys, call_context, model_identity
 from kvpool.connectors.sglang_pages import HostPages
 from kvpool.connectors.tenancy import Route, Tenancy
@@ -85,6 +87,8 @@ class KVPoolStorage(HiCacheStorage):
         extra = storage_config.extra_config
         if extra is not None and not isinstance(extra, dict):
             raise BadRequest(f"the backend's extra config must be a JSON object, got {type(extra).__name__}")
+        if "compress" in (extra or {}):
+            raise BadRequest(NO_COMPRESS.format(engine="SGLang"))
         self.config = check_config({k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS})
         tenants = [t if isinstance(t, str) else t.get("id") for t in self.config["tenants"]]
         self.tenant = self.config.get("tenant", tenants[0] if tenants else "default")
@@ -136,7 +140,8 @@ class KVPoolStorage(HiCacheStorage):
                              "this backend stores one page per chunk; drop chunk_tokens from the extra config")
         self.spec = spec_for(self.model_name or "sglang-model", int(host.layer_num), int(host.head_num),
                              int(head_dim), host.dtype, chunk_tokens=page_size, weights=self.weights,
-                             layer_kinds=self.layer_kinds, engine=self.engine)
+                             layer_kinds=self.layer_kinds, engine=self.engine,
+                             storage_format=self.config["storage_format"])
         self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size})
         self.page_size = page_size
         self._pages = HostPages(host, layout, self.spec.num_layers, self.spec.num_kv_heads, head_dim, page_size)

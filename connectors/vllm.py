@@ -14,6 +14,11 @@ pool is down, and may start before it. The extra config is the pool config of
 ``breakeven_margin``. Keys carry a fingerprint of the checkpoint's files (the same one the
 transformers connector gives a model loaded from that folder), so two checkpoints under one name
 never share; sliding-window, hybrid and MLA models are refused at start with the reason.
+``"storage_format"`` (``"fp8"``, ``"int8"``, ``"int4-kivi"``, ``"int2-kivi"``; default ``"raw"``)
+stores chunks quantized: LOSSY and opt-in, the worker's saves quantize (Triton on a GPU, the
+reference on a CPU) and its loads dequantize before the scatter into vLLM's blocks; chunks of
+another format are never seen (the format is in the key). A transformers connector with the same
+format reads the same chunks.
 
 Lifecycle, per request:
 
@@ -197,7 +202,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         return spec_for(str(own.get("model_id") or mc.model), len(groups[0].layer_names), ks.num_kv_heads,
                         ks.head_size, dtype, chunk_tokens=int(pool_config.get("chunk_tokens", 256)),
                         block_size=ks.block_size, revision=revision, weights=weights, layer_kinds=kinds,
-                        engine=engine_scope(mc.hf_config, "vllm"))
+                        engine=engine_scope(mc.hf_config, "vllm"),
+                        storage_format=pool_config.get("storage_format", "raw"))
 
     @property
     def requires_kv_delivery(self) -> bool:

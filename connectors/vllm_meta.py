@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvpool.connectors.pools import KNOWN_KEYS, check_config
+from kvpool.connectors.pools import KNOWN_KEYS, NO_COMPRESS, check_config
 from kvpool.errors import BadRequest
 
 # Settings of the connector itself, taken out of kv_connector_extra_config before the rest goes
@@ -88,6 +88,8 @@ def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str
         raise BadRequest(f"unknown kv_connector_extra_config keys {sorted(unknown)} for KVPoolConnector; pool keys: "
                          f"{sorted(KNOWN_KEYS)}, connector keys: {sorted(CONNECTOR_KEYS)}")
     own = {k: extra.pop(k) for k in list(extra) if k in CONNECTOR_KEYS}
+    if "compress" in extra:
+        raise BadRequest(NO_COMPRESS.format(engine="vLLM"))
     check_config(extra)
     return extra, own
 

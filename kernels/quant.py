@@ -107,13 +107,8 @@ class QuantizedKV:
     def to_bytes(self) -> bytes:
         """One payload: magic, header length, msgpack header, then each tensor's raw bytes."""
         tensors = self.tensors()
-        header = msgpack.packb({
-            "fmt": self.fmt,
-            "shape": list(self.shape),
-            "dtype": _DTYPE_NAMES[self.dtype],
-            "params": [list(p) for p in self.params],
-            "tensors": [[n, _DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in tensors.items()],
-        })
+        header = _header(self.fmt, self.shape, self.dtype, self.params,
+                         [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
         parts = [_PREFIX.pack(_MAGIC, len(header)), header]
         for t in tensors.values():
             parts.append(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -157,6 +152,28 @@ class QuantizedKV:
         if offset != len(data):
             raise BadRequest(f"QuantizedKV payload has {len(data) - offset} trailing bytes")
         return cls(fmt, shape, dtype, tuple(sorted(params.items())), **tensors)
+
+
+def _header(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, params: tuple[tuple[str, object], ...],
+            tensors: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    return msgpack.packb({
+        "fmt": fmt,
+        "shape": list(shape),
+        "dtype": _DTYPE_NAMES[dtype],
+        "params": [list(p) for p in params],
+        "tensors": [[n, _DTYPE_NAMES[d], list(s)] for n, d, s in tensors],
+    })
+
+
+def payload_nbytes(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, **params) -> int:
+    """``len(quantize(x, fmt, **params).to_bytes())`` for any ``x`` of ``shape`` and ``dtype``,
+    without quantizing anything: a pool sizes its pages with it."""
+    _check_shape(tuple(shape))
+    p = _canonical_params(fmt, params, tuple(shape))
+    tensors = [(n, d, s) for n, (d, s) in layout(fmt, tuple(shape), dtype, p).items()]
+    header = _header(fmt, tuple(shape), dtype, tuple(sorted(p.items())), tensors)
+    body = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for _, d, s in tensors)
+    return _PREFIX.size + len(header) + body
 
 
 def layout(fmt: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -275,4 +292,4 @@ def compression_ratio(q: QuantizedKV) -> float:
     return q.input_nbytes / q.nbytes
 
 
-__all__ = ["FORMATS", "QuantizedKV", "compression_ratio", "dequantize", "layout", "quantize"]
+__all__ = ["FORMATS", "QuantizedKV", "compression_ratio", "dequantize", "layout", "payload_nbytes", "quantize"]

@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvpool.auth import Authority, Principal, namespace_salt, scope_tag, scoped
-from kvpool.codec import ChunkCodec, torch_dtype
+from kvpool.codec import ChunkCodec, Formats, page_bytes, torch_dtype
 from kvpool.errors import BadRequest, Forbidden
-from kvpool.keying import KeyedPool, KeyMaker
-from kvpool.keys import ChunkKey, as_keys, is_shared
+from kvpool.keying import KeyedPool
+from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
 from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
 from kvpool.store import ActiveRequest, ChunkStore, ChunkView, Lease, StoreConfig
@@ -59,20 +59,27 @@ class LocalPool(KeyedPool):
     only an operator writes."""
 
     def __init__(self, spec: KVSpec, store: ChunkStore, authority: Authority | None = None) -> None:
-        self.codec = ChunkCodec(spec)
-        self.codec.check_page(store.page_bytes, "create the store with page_bytes >= spec.chunk_nbytes")
+        self._formats = Formats(spec, self._salt)
+        self.codec = self._formats.codec()
+        for fmt in ("", *(t.storage_format for t in store.tenants)):  # a tenant may store its own format
+            self._formats.codec(fmt).check_page(store.page_bytes, "create the store with page_bytes >= " + (
+                "kvpool.codec.stored_nbytes(spec) (LocalPool.create sizes them)" if self._formats.codec(fmt).lossy
+                else "spec.chunk_nbytes"))
         self.spec = spec
         self.store = store
         self.auth = authority if authority is not None else Authority(None)
-        self._keys = KeyMaker(spec, self._salt)
+        self._keys = self._formats.maker()
         self._sealers: dict[str, Sealer] = {}
 
     @classmethod
     def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, *,
                authority: Authority | None = None, **config) -> "LocalPool":
-        """A pool whose pages are exactly one chunk of ``spec`` (and the seal's bytes, when a tenant
-        encrypts its payloads)."""
-        page = spec.chunk_nbytes + (SEAL_OVERHEAD if any(t.encrypt for t in tenants) else 0)
+        """A pool whose pages are exactly one stored chunk of ``spec`` (quantized, for a lossy
+        storage format, whose watermarks it takes too; the largest, when a tenant stores its own
+        format), and the seal's bytes when a tenant encrypts its payloads."""
+        page = page_bytes(spec, [t.storage_format for t in tenants])
+        page += SEAL_OVERHEAD if any(t.encrypt for t in tenants) else 0
+        config.setdefault("storage_format", spec.storage_format)
         return cls(spec, ChunkStore(StoreConfig(page, dram_chunks, **config), tenants), authority)
 
     @property
@@ -92,6 +99,24 @@ class LocalPool(KeyedPool):
         salt = self.tenants.get(p.tenant).salt
         return namespace_salt(tenant) + b"/" + salt if self.auth.secured else salt
 
+    def _codec(self, p: Principal, keys: Sequence[ChunkKey]) -> ChunkCodec:
+        """The codec of the caller's chunks: its tenant's own storage format, or the spec's (shared
+        keys are always in the spec's)."""
+        return self._formats.codec("" if is_shared(keys) else self.tenants.get(p.tenant).storage_format)
+
+    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
+                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
+        """The tenant's (or the shared) namespace, in the tenant's storage format (see ``_codec``)."""
+        fmt = "" if shared is True else self.tenants.get(self._who(tenant).tenant).storage_format
+        return self._formats.maker(fmt).namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
+
+    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
+             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
+        """The chunk keys of a prompt's whole chunks in the tenant's (or the shared) namespace."""
+        fmt = "" if shared is True else self.tenants.get(self._who(tenant).tenant).storage_format
+        return self._formats.maker(fmt).keys(tenant, tokens, shared=shared, adapter_id=adapter_id,
+                                             extra_keys=extra_keys)
+
     def _where(self, p: Principal, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """The store's addresses of ``keys``: the caller's own scope, or the shared one for shared keys."""
         return scoped(keys, scope_tag(None if is_shared(keys) else p.tenant))
@@ -100,7 +125,7 @@ class LocalPool(KeyedPool):
         """The caller's sealer when its payloads are sealed at rest (kvpool.seal), else None."""
         if not needs_seal(self.tenants.get(p.tenant), is_shared(keys)):
             return None
-        if self.store.page_bytes < self.codec.nbytes + SEAL_OVERHEAD:
+        if self.store.page_bytes < self._codec(p, keys).nbytes + SEAL_OVERHEAD:
             raise BadRequest(f"tenant {p.tenant!r} seals its payloads: pages need {SEAL_OVERHEAD} B more than a "
                              "chunk (create the pool with LocalPool.create, which sizes them)")
         return sealer_for(credential, self.auth.secured, self._sealers)
@@ -133,22 +158,26 @@ class LocalPool(KeyedPool):
         self.store.end(request)
 
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *,
-             start: int = 0, shared: bool = False, request: ActiveRequest | None = None) -> int:
+             start: int = 0, shared: bool = False, request: ActiveRequest | None = None,
+             attention: Sequence[float] | None = None) -> int:
         """Stores the chunks of ``keys[start:]`` (``[layers, 2, chunk_tokens, kv_heads, head_dim]``
         each); the policy hears once of all the request's chunks. Returns how many were stored.
         Everything is validated before anything is written. The new chunks stay leased with
         ``request`` until the caller ends it. Shared keys (``keys(..., shared=True)``) are written
-        with ``shared=True`` and an operator's credential only (403 otherwise)."""
+        with ``shared=True`` and an operator's credential only (403 otherwise). ``attention``: each
+        chunk's attention mass in [0, 1] from ``keys[0]`` on, when the engine computes it (the
+        ``importance`` policy weighs it)."""
         p = self._who(tenant)
         keys = as_keys(keys)
         check_shared_write(p, keys, shared)
-        payloads = self.codec.encode_run(keys, chunks, start)
+        payloads = self._codec(p, keys).encode_run(keys, chunks, start)
         where = self._where(p, keys)
         sealer = self._sealer(p, tenant, keys)
         if sealer is not None:
             payloads = [sealer.seal(k, pl) for k, pl in zip(where[start:], payloads)]
         n = len(keys)
         access = self.store.new_access(n, n, start)
+        access.attention = None if attention is None else [min(1.0, max(0.0, float(a))) for a in attention]
         parent = where[start - 1] if start else None
         stored = self.store.put_many(where[start : start + len(chunks)], payloads, p.tenant, shared=shared,
                                      parent=parent, first_position=start, access=access, request=request)
@@ -156,26 +185,31 @@ class LocalPool(KeyedPool):
         return sum(stored)
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
-        """The leading run of chunks that are resident and verify; each shaped like the spec. The
-        policy hears of them when the request ends (``save``)."""
+        """The leading run of chunks that are resident and verify (and, in a lossy format, decode);
+        each shaped like the spec. The policy hears of them when the request ends (``save``)."""
         p = self._who(tenant)  # bad input fails before any chunk is read or counted
         keys = as_keys(keys)
         sealer = self._sealer(p, tenant, keys)
+        codec = self._codec(p, keys)
         keys = self._where(p, keys)
         tenant = p.tenant
         out: list[torch.Tensor] = []
         m = self.store.metrics
+        lossy = codec.lossy
         for key in keys:
-            buf = self.codec.empty()
+            kv = codec.empty() if not lossy else None
+            buf = codec.payload_buffer() if lossy else kv.view(-1).view(torch.uint8).numpy()
             if sealer is None:
                 got = self.store.get_many([key], tenant, [buf], touch=False)[0]
-                if got is None or got.shape[0] != self.codec.nbytes:  # another size: not a chunk of this spec
+                if got is None or got.shape[0] != codec.nbytes:  # another size: not a chunk of this spec
                     break
             else:
                 got = self.store.get_many([key], tenant, touch=False)[0]
-                if got is None or sealer.open(key, got, out=buf.view(-1).view(torch.uint8).numpy()) is None:
+                if got is None or sealer.open(key, got, out=buf) is None:
                     break  # not this tenant's seal of this key (or another size): a miss
-            out.append(buf)
+            if lossy and (kv := codec.decode(buf)) is None:
+                break  # a payload that does not decode: a miss
+            out.append(kv)
         hit_tokens = len(out) * self.spec.chunk_tokens
         if hit_tokens:
             m.hits_tokens.inc(hit_tokens, tenant)
@@ -199,25 +233,27 @@ class LocalPool(KeyedPool):
         NOTE: a view is verified once, then read in place: the lease keeps it from being moved,
         evicted or rewritten by the pool, so the bytes the caller copies are the bytes verified;
         ``load`` verifies its private copy instead, which costs one more pass over the bytes
-        (measured on vLLM's load path: see connectors/vllm_worker.py)."""
+        (measured on vLLM's load path: see connectors/vllm_worker.py). In a lossy storage format
+        there is nothing to read in place: each chunk is dequantized out of its leased page into
+        memory of its own (an :class:`OwnedChunk`), and the lease ends right after."""
         p = self._who(tenant)  # bad input fails here, before anything is read
         keys = as_keys(keys)
         if self._sealer(p, tenant, keys) is not None:  # sealed bytes are opened into memory of their own
             return iter([OwnedChunk(kv) for kv in self.load(tenant, keys)])
-        return self._views(p.tenant, self._where(p, keys))
+        return self._views(p.tenant, self._where(p, keys), self._codec(p, keys))
 
-    def _views(self, tenant: str, keys: list[ChunkKey]) -> Iterator[KVView]:
+    def _views(self, tenant: str, keys: list[ChunkKey], codec: ChunkCodec) -> Iterator[KVView]:
         m = self.store.metrics
         ct = self.spec.chunk_tokens
         for i, key in enumerate(keys):
-            view = self._read_in_place(key, tenant)
+            view = self._read_in_place(key, tenant, codec)
             if view is None:
                 m.misses_tokens.inc((len(keys) - i) * ct, tenant)
                 return
             m.hits_tokens.inc(ct, tenant)
             yield view  # the caller owns its lease from here
 
-    def _read_in_place(self, key: ChunkKey, tenant: str) -> KVView | None:
+    def _read_in_place(self, key: ChunkKey, tenant: str, codec: ChunkCodec) -> KVView | OwnedChunk | None:
         """One chunk leased and verified in place (the store's zero-copy read, which does not tell
         the eviction policy: the request's save reports the whole prefix once), or None on a miss,
         a chunk of another size or a corrupt one."""
@@ -225,9 +261,15 @@ class LocalPool(KeyedPool):
         if view is None:
             return None
         data = view.data
-        if data.shape[0] != self.spec.chunk_nbytes:  # another size: not a chunk of this spec
+        if data.shape[0] != codec.nbytes:  # another size: not a chunk of this spec
             view.release()
             return None
+        if codec.lossy:  # dequantized out of the page: the copy owns its bytes
+            try:
+                kv = codec.decode(data)
+            finally:
+                view.release()
+            return None if kv is None else OwnedChunk(kv)
         dtype = torch_dtype(self.spec)
         if data.ctypes.data % dtype.itemsize:  # a page size that is no multiple of the element's
             kv = torch.from_numpy(data.copy())  # verified bytes, copied under the lease: aligned

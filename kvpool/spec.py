@@ -40,7 +40,9 @@ DTYPE_BYTES: dict[str, int] = {
     "float8_e5m2": 1,
 }
 
-# Storage formats; anything but "raw" is lossy and opt-in (see kvpool.kernels, quantization).
+# Storage formats; anything but "raw" is LOSSY and OPT-IN: chunks are quantized on save and
+# dequantized on load (kvpool.codec, with kvpool.kernels.quant), so a load returns close to, not
+# exactly, the KV saved. The format is in the fingerprint: chunks of two formats never meet.
 STORAGE_FORMATS = ("raw", "fp8", "int8", "int4-kivi", "int2-kivi")
 
 # Where background eviction starts, by storage format: smaller pages fragment less, so a pool of
@@ -127,6 +129,9 @@ class KVSpec:
         if self.v_head_dim and self.storage_format != "raw":
             raise BadRequest(f"storage format {self.storage_format!r} needs K and V of one width; use 'raw' for "
                              "a model whose V head dim differs from K's")
+        if self.storage_format != "raw" and self.dtype.startswith("float8"):
+            raise BadRequest(f"storage format {self.storage_format!r} quantizes float32, float16 or bfloat16 KV; "
+                             f"a {self.dtype} cache is stored 'raw'")
         if self.chunk_tokens % self.block_size:
             raise BadRequest(
                 f"KVSpec.chunk_tokens ({self.chunk_tokens}) must be a multiple of the engine's "

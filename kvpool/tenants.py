@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.errors import BadRequest, QuotaExceeded, UnknownTenant
+from kvpool.spec import STORAGE_FORMATS
 
 SHARED_SALT = b"kvpool/shared"
 UNLIMITED = 2**62
@@ -43,6 +44,10 @@ class Tenant:
     # Seal the tenant's payloads (AES-256-GCM, kvpool.seal) with a key only its credential gives:
     # the pool holds ciphertext only. Needs a secured pool; costs a pass of AES-GCM per save and load.
     encrypt: bool = False
+    # How this tenant's chunks are stored, overriding the connector's storage_format: "" (the
+    # connector's), "raw", or a LOSSY, opt-in format (fp8, int8, int4-kivi, int2-kivi; see
+    # kvpool.codec). The format is in the tenant's keys, so its chunks never meet another format's.
+    storage_format: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not _TENANT_ID.fullmatch(self.id):
@@ -67,6 +72,9 @@ class Tenant:
             raise BadRequest(f"tenant {self.id!r}: scrub must be true or false, got {self.scrub!r}")
         if not isinstance(self.encrypt, bool):
             raise BadRequest(f"tenant {self.id!r}: encrypt must be true or false, got {self.encrypt!r}")
+        if self.storage_format and self.storage_format not in STORAGE_FORMATS:
+            raise BadRequest(f"tenant {self.id!r}: storage_format {self.storage_format!r} is not one of "
+                             f"{STORAGE_FORMATS} ('' for the connector's)")
         if self.salt == SHARED_SALT:
             raise BadRequest(f"tenant {self.id!r}: the shared salt is reserved; pick another salt")
         if not self.salt:
