@@ -5,11 +5,14 @@
   loaded from the pool (all whole chunks but the last, which holds the token whose logits are
   needed) and the rest computed. ``same_output``: the greedy tokens of both runs are identical.
   ``backend="node"``: the pool runs outside this process (a Ray head and ``kvpool up``, started
-  by :class:`kvpool.connectors.vllm_server_bench.NodePool`) and the connector reaches it through
+  by :class:`kvpool.connectors.node_pool_proc.NodePool`) and the connector reaches it through
   a NodeClient, as an engine on a cluster does.
 - ``vllm``: delegated to ``kvpool.connectors.vllm_bench`` (run it with the engines' virtualenv).
 - ``vllm-server``: vLLM's OpenAI server, the pool on the node path (and the in-process pool for
   comparison): :mod:`kvpool.connectors.vllm_server_bench`.
+
+``model="smollm2"``: the same on the real model, SmolLM2-135M-Instruct, with real English prompts
+and their greedy answers compared (:mod:`kvpool.connectors.bench_ttft_real`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,13 @@ def bench_model():
     return tiny_llama(0, layers=8, hidden=512, heads=8, kv_heads=4, vocab=4096)
 
 
+def _random_prompts(contexts: list[int]) -> list[torch.Tensor]:
+    return [torch.randint(0, 4096, (1, ctx), generator=torch.Generator().manual_seed(i))
+            for i, ctx in enumerate(contexts)]
+
+
 def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chunk_tokens: int = 256,
-           backend: str = "local") -> list[dict]:
+           backend: str = "local", model: str = "random") -> list[dict]:
     from kvpool.connectors.hf import HFConnector, model_spec
     from kvpool.pool import LocalPool
     from kvpool.tenants import Tenant, TenantRegistry
@@ -39,24 +47,36 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
     # slower (measured: a 256-token forward 2.26 s -> 0.64 s); flushing them to zero is what
     # inference servers run with, and it applies to the cold and the warm runs alike.
     torch.set_flush_denormal(True)
-    model = bench_model()
-    spec = model_spec(model, model_id="kvpool/bench-llama", chunk_tokens=chunk_tokens)
-    chunks = sum(c // chunk_tokens + 1 for c in contexts)
+    if model == "smollm2":
+        from kvpool.connectors import bench_ttft_real as real
+        from kvpool.connectors import smollm2
+
+        sizes = real.fit(contexts)
+        m = smollm2.load()[0]
+        prompts = [torch.tensor([p]) for p in real.prompts([n for _, n in sizes])]
+        model_id, new_tokens = smollm2.MODEL_ID, real.ANSWER_TOKENS
+    else:
+        m, prompts, model_id, sizes = bench_model(), _random_prompts(contexts), "kvpool/bench-llama", None
+    spec = model_spec(m, model_id=model_id, chunk_tokens=chunk_tokens)
+    chunks = sum(p.shape[1] // chunk_tokens + 1 for p in prompts)
     node = pool = None
     if backend == "node":
+        from kvpool.connectors.node_pool_proc import NodePool
         from kvpool.connectors.pools import open_pool
-        from kvpool.connectors.vllm_server_bench import NodePool
 
         node = NodePool(spec.chunk_nbytes, chunks + 8, progress)
     try:
         if node is not None:
             node.start()
             pool = open_pool(spec, node.connector_config())
-            conn = HFConnector(model, pool, tenant=node.credential)  # a secured pool: the tenant's credential
+            conn = HFConnector(m, pool, tenant=node.credential)  # a secured pool: the tenant's credential
         else:
             pool = LocalPool.create(spec, TenantRegistry([Tenant("bench")]), dram_chunks=chunks)
-            conn = HFConnector(model, pool, tenant="bench")
-        return _measure_hf(conn, contexts, new_tokens, progress, backend)
+            conn = HFConnector(m, pool, tenant="bench")
+        rows = _measure_hf(conn, prompts, new_tokens, progress, backend, reps_upto=0 if sizes else 4096)
+        for r, (asked, _) in zip(rows, sizes or ()):  # the real model: its answers, in words
+            r.update(model="smollm2", asked_context=asked, answer=real.answer_text(r["answer_tokens"]))
+        return rows
     finally:
         if node is not None:
             node.close()
@@ -64,12 +84,16 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
             pool.store.close()
 
 
-def _measure_hf(conn, contexts: list[int], new_tokens: int, progress: bool, backend: str) -> list[dict]:
+def _measure_hf(conn, prompts: list[torch.Tensor], new_tokens: int, progress: bool, backend: str,
+                reps_upto: int = 4096) -> list[dict]:
+    """Per prompt: cold (no pool) and warm (its prefix loaded from the pool), each the median of 3
+    runs when the prompt has at most ``reps_upto`` tokens, else of one."""
     rows = []
-    with Progress(len(contexts), "bench ttft (hf)", enabled=progress) as bar:
-        for i, ctx in enumerate(contexts):
-            ids = torch.randint(0, 4096, (1, ctx), generator=torch.Generator().manual_seed(i))
-            reps = 3 if ctx <= 4096 else 1
+    conn.generate(prompts[0][:, :512], 2, use_pool=False)  # warm-up (first-call set-up): not counted
+    with Progress(len(prompts), "bench ttft (hf)", enabled=progress) as bar:
+        for ids in prompts:
+            ctx = ids.shape[1]
+            reps = 3 if ctx <= reps_upto else 1
             cold_s, warm_s, cold_tok, warm_tok, loaded = [], [], None, None, 0
             for _ in range(reps):
                 cold_tok, cold = conn.generate(ids, new_tokens, use_pool=False)
@@ -82,14 +106,15 @@ def _measure_hf(conn, contexts: list[int], new_tokens: int, progress: bool, back
             c, w = statistics.median(cold_s), statistics.median(warm_s)
             rows.append({"engine": "hf", "backend": backend, "context": ctx, "cold_ttft_s": c, "warm_ttft_s": w,
                          "speedup": c / w, "loaded_tokens": loaded, "same_output": cold_tok == warm_tok,
-                         "cold_runs_s": cold_s, "warm_runs_s": warm_s})
+                         "cold_runs_s": cold_s, "warm_runs_s": warm_s, "answer_tokens": cold_tok})
             bar.advance(note=f"{ctx} tokens")
     return rows
 
 
-def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int = 3) -> list[dict]:
-    """The same random Llama as the transformers rows, saved for vLLM; per context: cold, warm
-    from the pool in a fresh engine, and vLLM's own prefix-cache hit (medians of ``repeats``)."""
+def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int = 3, model: str = "random") -> list[dict]:
+    """The same random Llama as the transformers rows, saved for vLLM (or ``model="smollm2"``: the
+    real model's checkpoint and prompts); per context: cold, warm from the pool in a fresh engine,
+    and vLLM's own prefix-cache hit (medians of ``repeats``)."""
     import tempfile
 
     import numpy as np
@@ -100,34 +125,51 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int = 3) 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvpool-ttft-") as d:
-        bench_model().save_pretrained(d)
+        if model == "smollm2":
+            from kvpool.connectors import bench_ttft_real as real
+            from kvpool.connectors import smollm2
+
+            sizes = real.fit(contexts, answer_tokens=1)
+            prompts, d, max_len = real.prompts([n for _, n in sizes]), str(smollm2.checkpoint()), real.max_positions()
+        else:
+            sizes, max_len = [(c, c) for c in contexts], None
+            bench_model().save_pretrained(d)
+            prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 4096, ctx)] for i, ctx in enumerate(contexts)]
         with Progress(len(contexts), "bench ttft (vllm)", enabled=progress) as bar:
-            for i, ctx in enumerate(contexts):
-                tokens = [int(t) for t in np.random.default_rng(i).integers(3, 4096, ctx)]
+            for (asked, ctx), tokens in zip(sizes, prompts):
                 r = vllm_bench.measure_ttft(tokens, d, repeats=repeats if ctx <= 4096 else 1,
-                                            max_model_len=max(2048, ctx + 64))
+                                            max_model_len=max_len or max(2048, ctx + 64))
                 rows.append({"engine": "vllm", "context": ctx, "cold_ttft_s": r["cold_ttft_s"],
                              "warm_ttft_s": r["warm_ttft_s"], "native_hit_ttft_s": r["native_hit_ttft_s"],
                              "speedup": r["cold_ttft_s"] / r["warm_ttft_s"],
                              "warm_vs_native": r["warm_ttft_s"] / r["native_hit_ttft_s"],
                              "loaded_tokens": r["warm_loaded_tokens"], "same_output": r["same_output"],
                              "logprob_max_diff": r["logprob_max_diff"], "warm_load_s": r["warm_load_s"]})
+                if model == "smollm2":
+                    rows[-1].update(model="smollm2", asked_context=asked, answer_tokens=r["cold_tokens"],
+                                    answer=real.answer_text(r["cold_tokens"]))
                 bar.advance(note=f"{ctx} tokens")
     return rows
 
 
 def run(engine: str, contexts: list[int], progress: bool = True, backend: str | None = None,
-        repeats: int | None = None, compare_local: bool = True) -> list[dict] | dict:
+        repeats: int | None = None, compare_local: bool = True, model: str = "random") -> list[dict] | dict:
+    if model not in ("random", "smollm2"):
+        raise BadRequest(f"--model {model!r}: choose random (the random-weight benchmark Llama) or smollm2")
     if engine == "hf":
         if backend not in (None, "local", "node"):
             raise BadRequest(f"--backend {backend!r}: the transformers benchmark runs local or node")
-        return run_hf(contexts, progress=progress, backend=backend or "local")
+        return run_hf(contexts, progress=progress, backend=backend or "local", model=model)
+    if engine == "vllm-server" and model == "smollm2":
+        if repeats is not None:
+            raise BadRequest("--repeats is the random-weight server benchmark's; with --model smollm2 each context "
+                             "is measured once per run: run the command again for more")
+        _need_vllm(engine)
+        from kvpool.connectors import bench_ttft_real
+
+        return bench_ttft_real.run_server(contexts, backend or "node", progress=progress)
     if engine == "vllm-server":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
-                             "--engine vllm-server` (make engines builds that virtualenv)") from None
+        _need_vllm(engine)
         from kvpool.connectors import vllm_server_bench
 
         if len(contexts) != 1:
@@ -145,8 +187,16 @@ def run(engine: str, contexts: list[int], progress: bool = True, backend: str | 
         except ImportError as e:
             raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
                              "--engine vllm` (make engines builds that virtualenv)") from None
-        return run_vllm(vllm_bench, contexts, progress)
+        return run_vllm(vllm_bench, contexts, progress, model=model)
     raise BadRequest(f"engine {engine!r}: choose hf, vllm or vllm-server")
+
+
+def _need_vllm(engine: str) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
+                         f"--engine {engine}` (make engines builds that virtualenv)") from None
 
 
 def format_table(rows: list[dict] | dict) -> str:
@@ -154,6 +204,10 @@ def format_table(rows: list[dict] | dict) -> str:
         from kvpool.connectors import vllm_server_bench
 
         return vllm_server_bench.format_table(rows)
+    if rows and rows[0].get("model") == "smollm2":
+        from kvpool.connectors import bench_ttft_real
+
+        return bench_ttft_real.format_table(rows)
     lines = [f"{'engine':<7}{'context':>8}{'cold s':>9}{'warm s':>9}{'speed-up':>10}{'native hit s':>14}  same output"]
     for r in rows:
         native = r.get("native_hit_ttft_s")

@@ -152,7 +152,7 @@ def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 2
         "cold_runs_s": [c[0] for c in cold], "warm_runs_s": [w[0] for w in warm],
         "native_runs_s": [x[0] for x in native],
         "same_output": all(w[1] == ref_tokens for w in warm) and diff <= 1e-4, "logprob_max_diff": diff,
-        "warm_loaded_tokens": loaded // k, "warm_cached_tokens": warm[0][3],
+        "cold_tokens": ref_tokens, "warm_loaded_tokens": loaded // k, "warm_cached_tokens": warm[0][3],
         "native_cached_tokens": native[0][3], "native_pool_tokens": native_pool // k,
         "warm_load_s": load_s / k, "warm_load_pool_s": pool_s / k,
         "engine_start_s": start_s, "breakeven": breakeven,
