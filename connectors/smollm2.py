@@ -104,12 +104,18 @@ def checkpoint() -> Path:
 
 def load(dtype=None):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct in transformers, eval mode, float32 by default,
-    loaded from :func:`checkpoint` (so its weights fingerprint is the checkpoint's files)."""
+    loaded from :func:`checkpoint` (so its weights fingerprint is the checkpoint's files). One model
+    per process and dtype, shared by every caller: use it, never change its weights."""
     import torch
+
+    return _load(dtype or torch.float32), tokenizer()
+
+
+@lru_cache(maxsize=2)
+def _load(dtype):
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(checkpoint()), dtype=dtype or torch.float32)
-    return model.eval(), tokenizer()
+    return LlamaForCausalLM.from_pretrained(str(checkpoint()), dtype=dtype).eval()
 
 
 def chat_ids(tok, messages: list[dict], *, generation_prompt: bool = True) -> list[int]:
