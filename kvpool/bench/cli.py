@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 
 from kvpool.errors import BadRequest
+from kvpool.spec import STORAGE_FORMATS
 
 
 def _bench_store(args: argparse.Namespace) -> int:
@@ -128,30 +130,44 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_capacity(args: argparse.Namespace) -> int:
+    from kvpool.bench import capacity
+
+    rows = capacity.run(args.mib, tuple(f for f in args.formats.split(",") if f), args.dtype, progress=not args.json)
+    print(json.dumps(rows, indent=2) if args.json else capacity.format_table(rows))
+    return 0
+
+
 def _bench_ttft(args: argparse.Namespace) -> int:
     from kvpool.connectors import bench_ttft
 
+    real = args.model == "smollm2"
+    default = "1024,4096,8192" if real else "4096" if args.engine == "vllm-server" else "1024,4096,16384"
     try:
-        contexts = [int(c) for c in (args.context or ("4096" if args.engine == "vllm-server" else "1024,4096,16384"))
-                    .split(",")]
+        contexts = [int(c) for c in (args.context or default).split(",")]
     except ValueError:
         raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
-    kw = dict(backend=args.backend, repeats=args.repeats, compare_local=args.compare_local)
+    kw = dict(backend=args.backend, repeats=args.repeats, compare_local=args.compare_local, model=args.model)
     if args.json:
         with _stdout_to_stderr():  # engines log to stdout; --json prints only JSON there
-            rows = bench_ttft.run(args.engine, contexts, progress=args.engine == "vllm-server", **kw)
+            rows = bench_ttft.run(args.engine, contexts, progress=args.engine == "vllm-server" or real, **kw)
         print(json.dumps(rows, indent=2))
     else:
         rows = bench_ttft.run(args.engine, contexts, progress=True, **kw)
         print(bench_ttft.format_table(rows))
-    if args.engine == "vllm-server":
+    if real:
+        from kvpool.connectors import bench_ttft_real
+
+        why = bench_ttft_real.failures(rows)
+    elif args.engine == "vllm-server":
         from kvpool.connectors import vllm_server_bench
 
         why = vllm_server_bench.failures(rows)
-        for w in why:
-            print(f"bench ttft: {w}", file=sys.stderr)
-        return 1 if why else 0
-    return 0
+    else:
+        why = []
+    for w in why:
+        print(f"bench ttft: {w}", file=sys.stderr)
+    return 1 if why else 0
 
 
 @contextlib.contextmanager
@@ -188,11 +204,49 @@ def _bench_weights(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_importance(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_importance
+
+    result = bench_importance.run(model_name=args.model, docs=args.docs, hot=args.hot, doc_tokens=args.doc_tokens,
+                                  capacity=args.capacity, requests=args.requests, seeds=args.seeds,
+                                  progress=not args.json)
+    print(json.dumps(result, indent=2) if args.json else bench_importance.format_table(result))
+    return 0
+
+
 def _bench_sliding(args: argparse.Namespace) -> int:
     from kvpool.connectors import bench_sliding
 
     rows = bench_sliding.run(args.context, args.rounds, progress=not args.json)
     print(json.dumps(rows, indent=2) if args.json else bench_sliding.format_table(rows))
+    return 0
+
+
+def _bench_quality(args: argparse.Namespace) -> int:
+    from kvpool.connectors import bench_quality as bq
+
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(n for n in text.split(",") if n and n != "none")
+
+    try:
+        budgets = tuple(float(b) for b in args.budgets.split(",") if b) if args.budgets else None
+    except ValueError:
+        raise BadRequest(f"--budgets {args.budgets!r}: give fractions of the context, e.g. 0.5,0.25") from None
+    base = bq.QUICK if args.quick else bq.Settings()
+    given = {"context": args.context, "scored": args.scored, "greedy": args.greedy, "prompts": args.prompts,
+             "chunk_tokens": args.chunk_tokens, "formats": names(args.formats), "budgets": budgets,
+             "threads": args.threads}
+    settings = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None},
+                                   methods=names(args.methods))
+    if args.json:
+        with _stdout_to_stderr():  # transformers may print; --json prints only JSON
+            result = bq.run(settings, progress=True)
+        print(json.dumps(result, indent=2))
+    else:
+        result = bq.run(settings, progress=True)
+        print(bq.format_table(result))
+    if args.plot:
+        print(f"bench quality: plot written to {bq.plot(result, args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -246,6 +300,14 @@ def add_bench_parser(sub) -> None:
     bk.add_argument("--context", type=int, default=32768)
     bk.add_argument("--json", action="store_true")
     bk.set_defaults(func=_bench_kernels)
+    bf = bsub.add_parser("capacity", help="chunks of SmolLM2 one pool holds in each storage format (raw, fp8, int8, "
+                         "int4/int2 KIVI)")
+    bf.add_argument("--mib", type=int, default=1024, help="the pool's size in MiB (default 1024)")
+    bf.add_argument("--formats", default=",".join(STORAGE_FORMATS), help="comma-separated (default: all)")
+    bf.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="the raw KV's dtype (default float32, as kvpool.connectors.smollm2 loads the model)")
+    bf.add_argument("--json", action="store_true")
+    bf.set_defaults(func=_bench_capacity)
     bs = bsub.add_parser("soak", help="concurrent clients on a local multi-node pool: throughput, p99, errors, RSS")
     bs.add_argument("--seconds", type=float, default=600.0, help="measured time after warm-up (default 600)")
     bs.add_argument("--clients", type=int, default=4)
@@ -263,8 +325,12 @@ def add_bench_parser(sub) -> None:
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
                     help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
+    bt.add_argument("--model", choices=["random", "smollm2"], default="random",
+                    help="random: a random-weight Llama (exactness); smollm2: the real SmolLM2-135M-Instruct on "
+                    "real English prompts, its answers with and without the pool compared")
     bt.add_argument("--context", default=None, help="prompt lengths in tokens, comma-separated (default "
-                    "1024,4096,16384; vllm-server: one, default 4096)")
+                    "1024,4096,16384; vllm-server: one, default 4096; smollm2: 1024,4096,8192, the last measured "
+                    "at 8192 minus the answer)")
     bt.add_argument("--backend", choices=["local", "node"], default=None,
                     help="the pool: local (in-process) or node (a pool started outside the engine, reached "
                     "through the node's shard); default: node for vllm-server, local otherwise")
@@ -288,3 +354,33 @@ def add_bench_parser(sub) -> None:
     bl.add_argument("--rounds", type=int, default=3)
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(func=_bench_sliding)
+    bm = bsub.add_parser("importance", help="the importance policy fed the real model's attention mass vs adaptive "
+                         "and lru: hit rate on long documents with a few hot ones")
+    bm.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (random weights: a smoke test)")
+    bm.add_argument("--docs", type=int, default=11)
+    bm.add_argument("--hot", type=int, default=3)
+    bm.add_argument("--doc-tokens", type=int, default=512)
+    bm.add_argument("--capacity", type=int, default=64, help="pool size in chunks (32 tokens each)")
+    bm.add_argument("--requests", type=int, default=300)
+    bm.add_argument("--seeds", type=int, default=3)
+    bm.add_argument("--json", action="store_true")
+    bm.set_defaults(func=_bench_importance)
+    bq = bsub.add_parser("quality", help="the lossy storage formats and token eviction against the model's own KV, "
+                         "on the real model (SmolLM2-135M) and real text: bytes, perplexity, KL, greedy tokens")
+    bq.add_argument("--context", type=int, default=None, help="context tokens per passage (default 1024)")
+    bq.add_argument("--scored", type=int, default=None, help="continuation tokens scored (default 128)")
+    bq.add_argument("--greedy", type=int, default=None, help="greedy tokens compared (default 64)")
+    bq.add_argument("--prompts", type=int, default=None, help="passages (default 3)")
+    bq.add_argument("--chunk-tokens", type=int, default=None, help="the pool's chunk (default 256)")
+    bq.add_argument("--formats", default=None, help="comma-separated (default fp8,int8,int4-kivi,int2-kivi; "
+                    "none for none)")
+    bq.add_argument("--methods", default=None, help="eviction methods, comma-separated (default all; none for none)")
+    bq.add_argument("--budgets", default=None, help="eviction budgets as fractions of the context (default "
+                    "0.5,0.25,0.125)")
+    bq.add_argument("--threads", type=int, default=None, help="torch threads (default 1: on a shared machine one "
+                    "thread decoded several times faster than two)")
+    bq.add_argument("--quick", action="store_true", help="tiny settings (one short passage), for a smoke test")
+    bq.add_argument("--plot", nargs="?", const="docs/quality.png", default=None,
+                    help="write the plot (PNG) there (default docs/quality.png)")
+    bq.add_argument("--json", action="store_true")
+    bq.set_defaults(func=_bench_quality)
