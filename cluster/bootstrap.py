@@ -63,10 +63,27 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
         ).remote(sid, pool, store, tenants, index_url, ttl_s)
         started.append((sid, h))
     for sid, h in started:
-        info = ray.get(h.info.remote(), timeout=timeout_s)
+        try:
+            info = ray.get(h.info.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            _raise_start_error(sid, e)
         ray.get(controller.register.remote(sid, info, credential=auth.pool_credential()), timeout=timeout_s)
         log.info("kvpool: shard %s on node %s", sid, info["node_id"][:12])
     return ray.get(controller.state.remote(), timeout=timeout_s)
+
+
+def _raise_start_error(sid: str, e: Exception) -> None:
+    """A shard whose start refused its config (a tier too small on its node, a /dev/shm too small):
+    the shard's own message, typed, instead of Ray's traceback of a dead actor."""
+    import re
+
+    from kvpool.errors import BadRequest, Unavailable
+
+    m = re.findall(r"\[(400|503)\] (.+)", str(e)) if getattr(e, "actor_init_failed", False) else []
+    if not m:
+        raise e
+    status, message = m[-1]
+    raise (BadRequest if status == "400" else Unavailable)(f"shard {sid} did not start: {message}") from None
 
 
 def down(pool: str = "default", namespace: str | None = None, timeout_s: float = 30.0,

@@ -82,13 +82,21 @@ def _init(address: str, hint: bool = True) -> None:
 
 
 def connect(address: str | None, start_local: bool) -> None:
-    """Connects to ``address``, or to the Ray already running here, or (``start_local``) starts a
-    local head that outlives this command.
+    """Connects to ``address`` (else ``$RAY_ADDRESS``: set by the user, it points kvpool at a
+    cluster as --ray-address does), or to the local Ray head an earlier ``kvpool up`` started (its
+    record, :func:`_head_record`, while that head still runs and answers), or (``start_local``)
+    starts a local head that outlives this command. NEVER another Ray that merely runs here (Ray's
+    /tmp/ray/ray_current_cluster names the head started last on the machine: on a shared machine,
+    somebody else's).
 
     Ray token authentication: with ``RAY_AUTH_MODE=token`` every connection presents the token
     (Ray's own sources: ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``) and a
     local head starts with it (a token is made in ``~/.ray/auth_token`` when there is none)."""
     mode = ray_auth_mode()
+    if not address and os.environ.get("RAY_ADDRESS", "").strip():
+        address = os.environ["RAY_ADDRESS"].strip()
+        print(f"kvpool: using the Ray cluster at {address} ($RAY_ADDRESS; unset it to use this machine's own "
+              "`kvpool up` head)", file=sys.stderr)
     if address:
         if mode == "token":
             _need_token(address)
@@ -100,14 +108,15 @@ def connect(address: str | None, start_local: bool) -> None:
         # head and its clients disagree (seen here: InvalidAuthToken). A cluster given by
         # --ray-address keeps its own setting.
         os.environ["RAY_AUTH_MODE"] = "disabled"
-    running = _local_ray_address()
+    running = _recorded_head()
     if running:
         if mode == "token":
             _need_token(running)
         _init(running)
         return
     if not start_local:
-        raise SystemExit("kvpool: no Ray cluster is running here; start one with `kvpool up` or pass --ray-address")
+        raise SystemExit("kvpool: no Ray cluster started by `kvpool up` is running here (another Ray on this "
+                         "machine is never joined unasked); start one with `kvpool up`, or pass --ray-address")
     if mode == "token":
         where = ray_token_source() or f"{_new_ray_token()} (new)"
         print(f"kvpool: starting a local Ray head on 127.0.0.1 with Ray token authentication (token: {where})",
@@ -142,7 +151,7 @@ def _head_record() -> str:
 
 
 def _remember_head(address: str) -> None:
-    """Records the Ray head `kvpool up --start-local` started (its address and session directory,
+    """Records the Ray head `kvpool up` started (its address and session directory,
     which every process of that head names), so that `kvpool down --stop-ray` stops it and no other."""
     import json
 
@@ -172,14 +181,7 @@ def stop_started_ray(grace_s: float = 15.0) -> int:
         return 0
     if not session or not session.startswith("/"):
         return 0
-    mine = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if session.encode() in f.read():
-                    mine.append(int(pid))
-        except OSError:
-            continue
+    mine = _session_processes(session)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in mine:
             try:
@@ -201,18 +203,39 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _local_ray_address(path: str = "/tmp/ray/ray_current_cluster") -> str | None:
-    """The address of the Ray head running on this machine, if it answers (a stale file from a
-    crashed head would otherwise make ray.init wait for minutes)."""
+def _session_processes(session: str) -> list[int]:
+    """The processes (not this one) of the Ray session whose directory is ``session``: every
+    process of a Ray head names its session directory on its command line."""
+    if not session or not session.startswith("/"):
+        return []
+    mine = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if session.encode() in f.read():
+                    mine.append(int(pid))
+        except OSError:
+            continue
+    return mine
+
+
+def _recorded_head() -> str | None:
+    """The address of the local Ray head `kvpool up` started (its record), if that head still runs
+    (processes of its session) and answers (a stale record would otherwise make ray.init wait for
+    minutes, and a dead head's port may be somebody else's Ray by now)."""
+    import json
     import socket
 
     try:
-        with open(path) as f:
-            addr = f.read().strip()
+        with open(_head_record()) as f:
+            rec = json.load(f)
+        addr, session = rec["address"], rec["session_dir"]
         host, port = addr.rsplit(":", 1)
+        if not _session_processes(session):
+            return None
         with socket.create_connection((host, int(port)), timeout=1.0):
             return addr
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

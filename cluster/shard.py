@@ -39,6 +39,7 @@ from kvpool.cluster.shard_drills import DRILLS_ENV, Drills
 from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded, Unavailable
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
+from kvpool.sizing import resolve_store
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
@@ -71,7 +72,7 @@ class ShardActor(Drills):
         self.refused = 0  # chunks the index refused at a reconcile (over quota), dropped here
         # The pool secret comes with the actor's environment (bootstrap.up) or a mounted file.
         self.auth = Authority.from_env()
-        cfg = dict(store)
+        cfg = resolve_store(store)  # a tier asked for in bytes or as a share of memory: pages on THIS node
         run = os.environ.get("KVPOOL_RUN_DIR") or SHM_DIR  # beside the node files: engines map it from there
         cfg.setdefault("dram_dir", run if os.path.isdir(run) else None)
         cfg["name"] = f"{pool}-{shard_id}"
@@ -192,7 +193,8 @@ class ShardActor(Drills):
     def info(self) -> dict:
         st = self.store
         return {"shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
-                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "incarnation": self.incarnation,
+                "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "disk_pages": st.config.disk_pages,
+                "incarnation": self.incarnation,
                 "peer": None if self.node is None else self.node.peer_address}
 
     def reconcile(self) -> dict:

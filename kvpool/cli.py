@@ -9,8 +9,9 @@ import sys
 
 from kvpool.auth_cli import add_auth_parser
 from kvpool.bench.cli import add_bench_parser
+from kvpool.cli_up import RAY_ADDRESS_HELP, add_up_parser
+from kvpool.connect_cli import add_connect_parser
 from kvpool.errors import BadRequest, KvPoolError
-from kvpool.policies import describe_policies
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -132,17 +133,18 @@ def parse_tenant(text: str) -> dict:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from kvpool.cli_up import describe, shard_line, up_store
+
+    store, chunk = up_store(args)  # NOTE: every size is checked before Ray is touched
+    tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
     from kvpool.cluster import ops
 
-    store = {"page_bytes": parse_size(args.page_size), "dram_pages": args.dram_pages, "policy": args.policy}
-    if args.disk_dir:
-        store |= {"disk_dir": args.disk_dir, "disk_pages": args.disk_pages}
-    tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
     state = ops.cmd_up(args.ray_address, args.redis, store, tenants, secret_file=args.secret_file)
     print(f"kvpool is up: {len(state['shards'])} shards, ring version {state['version']}")
     print(f"  pool secret: {state['secret_from']} (issue credentials with `kvpool auth issue TENANT`)")
+    print("\n".join(describe(store, chunk, args)))
     for sid, info in sorted(state["shards"].items()):
-        print(f"  {sid} on node {info['node_id'][:12]}  slab {info['slab']}")
+        print(shard_line(sid, info))
     return 0
 
 
@@ -212,28 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity")
     s.set_defaults(func=_sim)
 
-    u = sub.add_parser("up", help="start (or join) the pool: a shard on every Ray node")
-    u.add_argument("--ray-address", help="a Ray cluster to join (default: the one running here, or a new local one)")
-    u.add_argument("--redis", help="the index's Redis URL (default: the embedded index in an actor)")
-    u.add_argument("--page-size", default="32MiB", help="bytes per chunk page (default 32MiB)")
-    u.add_argument("--dram-pages", type=int, default=16, help="DRAM pages per shard (default 16)")
-    u.add_argument("--disk-dir", help="directory of a disk tier")
-    u.add_argument("--disk-pages", type=int, default=0)
-    u.add_argument("--policy", default="default",
-                   help=f"eviction policy of every shard (default: adaptive). {describe_policies()}")
-    u.add_argument("--tenant", action="append", default=[],
-                   help="a tenant to serve, id[:quota[:priority]] (repeat); a known tenant keeps its quota unless given")
-    u.add_argument("--secret-file", help="the pool secret (made here if missing; default: $KVPOOL_SECRET_FILE, "
-                   "$KVPOOL_SECRET, else ~/.kvpool/secret, made if missing)")
-    u.set_defaults(func=_up)
+    add_up_parser(sub, _up)
     d2 = sub.add_parser("down", help="drain every shard and stop the pool")
-    d2.add_argument("--ray-address")
+    d2.add_argument("--ray-address", help=RAY_ADDRESS_HELP.format(new=""))
     d2.add_argument("--stop-ray", action="store_true",
                     help="also stop the local Ray head `kvpool up` started (never a Ray someone else started)")
     d2.add_argument("--secret-file", help="the pool secret (default: as for `kvpool up`)")
     d2.set_defaults(func=_down)
     st = sub.add_parser("stats", help="per shard and tier: chunks, bytes, hit rate, evictions, tenants")
-    st.add_argument("--ray-address")
+    st.add_argument("--ray-address", help=RAY_ADDRESS_HELP.format(new=""))
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_stats)
 
@@ -255,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_tenants)
 
     add_auth_parser(sub)
+    add_connect_parser(sub)
     add_bench_parser(sub)
     return p
 

@@ -31,21 +31,52 @@ for sid in state["shards"]:
 
 
 def kvpool(*args, timeout=180, env=None):
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
-def test_up_stats_warmup_down(tmp_path, monkeypatch):
+# The demo model's (kvpool warmup --model demo) config: its 64-token float32 chunk is 256 KiB.
+DEMO_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1024,
+               "dtype": "float32"}
+
+
+def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
+    home, foreign = foreign_head
+    # Somebody else's Ray runs here and Ray's own discovery names it (ray_current_cluster under
+    # $RAY_TMPDIR, the test's own: /tmp/ray/ray_current_cluster of the machine is left alone).
+    lure = os.path.join(home, "ray", "ray_current_cluster")
+    wait_for(lambda: os.path.isfile(lure) and open(lure).read().strip() == foreign, 120, what="Ray's address file")
+    monkeypatch.setenv("RAY_TMPDIR", home)
+    record = tmp_path / "local-ray.json"  # the record of the head `kvpool up` starts: the test's own
+    monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    model = tmp_path / "demo-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(DEMO_CONFIG))
     secret = tmp_path / "pool-secret"
     monkeypatch.setenv("KVPOOL_SECRET_FILE", str(secret))  # every command after `kvpool up` reads it
     try:
-        r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "16", "--tenant", "a", "--policy", "tiered",
-                   "--secret-file", str(secret))
+        # A share of memory is resolved by the shard on its node: one too small for 4 pages is refused there.
+        r = kvpool("up", "--model", str(model), "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a",
+                   "--policy", "tiered", "--secret-file", str(secret))
+        assert r.returncode == 2 and "did not start: --dram 0.0001%" in r.stderr and "raise --dram" in r.stderr, \
+            r.stderr[-2000:]
+        # The foreign Ray is not joined: `kvpool up` starts a head of its own, and records it.
+        assert "starting a local Ray head" in r.stderr and json.loads(record.read_text())["address"] != foreign
+        assert "without Ray token authentication" in r.stderr  # a loopback-only local head says so
+        assert secret.stat().st_mode & 0o777 == 0o600
+        r = kvpool("up", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
+                   "--policy", "tiered", "--secret-file", str(secret))
         assert r.returncode == 0, r.stderr[-2000:]
         assert "kvpool is up: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
-        assert f"pool secret: {secret} (new)" in r.stdout and secret.stat().st_mode & 0o777 == 0o600
-        assert "without Ray token authentication" in r.stderr  # a loopback-only local head says so
+        assert "starting a local Ray head" not in r.stderr  # the head of the record, still answering
+        # pages of the model's 64-token chunk, and 4 MiB of them
+        assert "pages: 262144 B (0.25 MiB); one chunk of" in r.stdout and "0.0% of each page unused" in r.stdout
+        assert "dram 16 pages (4.00 MiB)" in r.stdout, r.stdout
+        assert f"pool secret: {secret}" in r.stdout
         r = kvpool("stats", "--json")
         assert r.returncode == 0, r.stderr[-2000:]
         st = json.loads(r.stdout)
@@ -83,8 +114,55 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch):
     finally:
         r = kvpool("down", "--stop-ray")
     assert r.returncode == 0 and "1 shards drained" in r.stdout
+    with open(lure, "w") as f:  # `ray start` of kvpool's head named it instead: the foreign head again
+        f.write(foreign)
     r = kvpool("stats")
-    assert r.returncode != 0 and "no Ray cluster is running here" in r.stderr
+    assert r.returncode != 0 and "no Ray cluster started by `kvpool up` is running here" in r.stderr
+
+
+def _start_head(home: str, env: dict, *extra: str):
+    """A Ray head of the test's own on a free port, every process of it running in ``home``."""
+    port = free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             "--disable-usage-stats", "--include-dashboard=false", *extra],
+                            cwd=home, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: redis_reachable(port=port), 60, interval_s=0.2, what=f"the Ray head on port {port}")
+    except BaseException:
+        _stop_head(head, home)
+        raise
+    return head, f"127.0.0.1:{port}"
+
+
+def _stop_head(head, home: str) -> None:
+    head.terminate()
+    try:
+        head.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in _processes_in(home):  # its raylet's workers run in their own sessions
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    head.wait(timeout=15)
+    time.sleep(0.5)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def foreign_head():
+    """Somebody else's Ray head on this machine, the latest one Ray's own discovery knows
+    (ray_current_cluster under its $RAY_TMPDIR: a short folder of the test's own)."""
+    home = tempfile.mkdtemp(prefix="kvf", dir="/tmp")  # NOTE: short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_TMPDIR": home, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    head, address = _start_head(home, env)
+    try:
+        yield home, address
+    finally:
+        _stop_head(head, home)
 
 
 @pytest.fixture
@@ -96,32 +174,14 @@ def token_head(tmp_path):
     token = tmp_path / "ray-token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
-    port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_AUTH_TOKEN", None)
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                             "--disable-usage-stats", "--include-dashboard=false", f"--temp-dir={home}/r"],
-                            cwd=home, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    head, address = _start_head(home, env, f"--temp-dir={home}/r")
     try:
-        wait_for(lambda: redis_reachable(port=port), 60, interval_s=0.2, what=f"the Ray head on port {port}")
-        yield f"127.0.0.1:{port}", token
+        yield address, token
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in _processes_in(home):  # its raylet's workers run in their own sessions
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        head.wait(timeout=15)
-        time.sleep(0.5)
-        shutil.rmtree(home, ignore_errors=True)
+        _stop_head(head, home)
 
 
 def _processes_in(folder: str) -> list[int]:
@@ -157,3 +217,30 @@ def test_up_stats_down_keep_ray_token_auth(token_head, tmp_path):
     assert r.returncode == 1 and "its own token" in r.stderr, r.stderr[-2000:]
     r = kvpool("down", "--ray-address", address, "--secret-file", str(secret), env=env)
     assert r.returncode == 0 and "1 shards drained" in r.stdout, r.stderr[-2000:]
+
+
+def test_only_the_recorded_head_that_still_runs_is_joined(tmp_path, monkeypatch):
+    """Without --ray-address: the head in `kvpool up`'s record, only while processes of its session
+    run and its port answers (a dead head's port may be another Ray by now); nothing else."""
+    import socket
+
+    from kvpool.cluster import ops
+
+    record = tmp_path / "local-ray.json"
+    monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
+    assert ops._recorded_head() is None  # no record: no head of ours, whatever else runs here
+    session = str(tmp_path / "session_of_ours")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        record.write_text(json.dumps({"address": address, "session_dir": session}))
+        assert ops._recorded_head() is None  # the port answers, but no process of our session runs
+        ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--session-dir={session}"])
+        try:
+            assert ops._recorded_head() == address
+        finally:
+            ours.kill()
+            ours.wait()
+    record.write_text("not json")
+    assert ops._recorded_head() is None
