@@ -30,6 +30,43 @@ CONTROLLER = "kvpool-controller"
 ADOPT_TRIES = 5  # passes a shard the index lists may stay unreachable before it is purged
 
 
+class Reports:
+    """The engines' latest reports. One that has not reported for ``EXPIRE_INTERVALS`` of its own
+    report intervals (``every_s`` in its figures; ``LEGACY_TTL_S`` for a connector that reports
+    only when it measured something) is dropped: its process is gone. ``{"goodbye": true}`` drops
+    it at once (a connector that shut down cleanly)."""
+
+    EXPIRE_INTERVALS = 3
+    LEGACY_TTL_S = 600.0
+
+    def __init__(self, clock=time.time) -> None:
+        self._clock = clock
+        self._by_name: dict[str, dict] = {}
+        self._lock = threading.Lock()  # the actor serves calls on several threads
+        self.expired = 0
+
+    def add(self, name: str, figures: dict) -> None:
+        with self._lock:
+            if figures.get("goodbye"):
+                self._by_name.pop(name, None)
+            else:
+                self._by_name[name] = {**figures, "reported_at": self._clock()}
+
+    def live(self) -> dict:
+        now = self._clock()
+        with self._lock:
+            for name, f in list(self._by_name.items()):
+                every = f.get("every_s")
+                ttl = self.EXPIRE_INTERVALS * float(every) if isinstance(every, (int, float)) and every > 0 \
+                    else self.LEGACY_TTL_S
+                if now - f["reported_at"] > ttl:
+                    del self._by_name[name]
+                    self.expired += 1
+                    log.info("controller: engine %r stopped reporting %.0f s ago: dropped from the reports", name,
+                             now - f["reported_at"])
+            return {name: dict(f) for name, f in self._by_name.items()}
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=32)
 class Controller:
     def __init__(self, pool: str, index_url: str | None, interval_s: float = 1.0, vnodes: int = 128,
@@ -52,7 +89,7 @@ class Controller:
         self._dropped: set[str] = set()  # shards this controller took out: fenced until registered again
         self._operator: dict[str, tuple[int, str]] = {}  # tenant -> (quota, priority), as last seen
         self.purged = 0
-        self._reports: dict[str, dict] = {}
+        self._reports = Reports()
         self.incarnation = uuid.uuid4().hex  # a restarted controller (Ray restarts it empty) has a new one
         # NOTE: after a restart, adopt the live shards before answering anyone: a client that took
         # the empty ring of a controller that has not reconciled yet would drop every shard.
@@ -145,13 +182,12 @@ class Controller:
 
     def report(self, name: str, figures: dict) -> None:
         """An engine connector's measured figures (load bandwidth, prefill cost, break-even),
-        shown by `kvpool stats`; the latest per connector."""
-        import time
-
-        self._reports[name] = {**figures, "reported_at": time.time()}
+        shown by `kvpool stats`; the latest per connector (``Reports``: expired when it stops
+        reporting, forgotten at its goodbye)."""
+        self._reports.add(name, figures)
 
     def reports(self) -> dict:
-        return dict(self._reports)
+        return self._reports.live()
 
     def health(self) -> dict:
         return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),

@@ -322,7 +322,19 @@ def format_stats(st: dict) -> str:
             lines.append(f"  {name}: loads {e['load_gbps'] or 0:.2f} GB/s, prefill {e['prefill_ms_per_token'] or 0:.3f} "
                          f"ms/token, loading a token {adv:.0f}x cheaper than computing it" if adv else
                          f"  {name}: not measured yet")
-            lines.append(f"    {e['loads']} loads, {e['recomputes']} recomputes")
+            failed = (f", {e['load_failures']} failed loads ({e.get('failed_tokens', 0)} tokens recomputed, not hits)"
+                      if e.get("load_failures") else "")
+            lines.append(f"    {e['loads']} loads, {e['recomputes']} recomputes{failed}")
+            if e.get("degraded"):
+                lines.append(f"    DEGRADED: its pool does not answer; recomputing every prompt "
+                             f"({e.get('degraded_s', 0):.0f} s degraded so far)")
+            if e.get("reported_at") and e.get("every_s"):
+                import time
+
+                ago = time.time() - e["reported_at"]
+                if ago > 2 * e["every_s"]:
+                    lines.append(f"    silent for {ago:.0f} s (reports every {e['every_s']:g} s): its process may "
+                                 "be gone")
     if st.get("health_lines"):
         lines += ["", "health (over each shard's life so far):", *("  " + h for h in st["health_lines"])]
         if not st["healthy"]:

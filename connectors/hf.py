@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from kvpool.auth import claimed_tenant
 from kvpool.connectors import compress_store
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds, text_config
-from kvpool.connectors.pools import check_config, open_pool, spec_for
+from kvpool.connectors.pools import PoolHealth, Reporter, check_config, open_pool, spec_for
 from kvpool.connectors.weights import (
     check_given,
     config_fields,
@@ -46,9 +47,8 @@ class PrefillResult:
     saved_chunks: int
     seconds: float
     timings: dict = field(default_factory=dict)
-    # Positions the cache is short of: a compressed prefix (kvpool.connectors.compress) holds fewer
-    # entries than the tokens it stands for, so the next token's position is
-    # cache.get_seq_length() + positions_ahead; pass it as position_ids when decoding yourself.
+    # Positions the cache is short of (a compressed prefix holds fewer entries than its tokens): the
+    # next token's position is cache.get_seq_length() + positions_ahead (position_ids, decoding yourself).
     positions_ahead: int = 0
 
 
@@ -206,6 +206,7 @@ class HFConnector:
                                  "open the pool with model_spec(model)")
         self.tenant = cfg.get("tenant", tenant)
         self.breakeven = breakeven or BreakEven()
+        self.health = PoolHealth(self.pool)  # DEGRADED while a "node" pool does not answer
         self.save_refused = 0  # saves the pool refused (429 quota, 507 full): those chunks stay uncached
         self.load_failed = 0  # loads that failed unexpectedly: the request recomputed its prefix
         self._layers = self.spec.num_layers
@@ -214,6 +215,7 @@ class HFConnector:
         self.compress = compress_store.check_compress((config or {}).get("compress"), self.spec)
         # per-chunk attention mass for the `importance` policy (a window's recompute per save)
         self.report_attention = cfg.get("policy") == "importance" and compress_store.takes_attention(self.pool)
+        self.reporter = Reporter(self.pool, f"transformers {self.spec.model_id} pid {os.getpid()}", self.figures)
 
     # ---------------------------------------------------------------- cache <-> chunks
     def _new_cache(self):
@@ -279,6 +281,11 @@ class HFConnector:
             self.load_failed += 1
             return [], self._new_cache()
 
+    def figures(self) -> dict:
+        """What ``kvpool stats`` shows (Reporter): break-even (``loads`` that returned KV), DEGRADED."""
+        return {**self.breakeven.stats(self.spec.chunk_nbytes // self.spec.chunk_tokens), **self.health.figures(),
+                "load_failures": self.load_failed}
+
     # ---------------------------------------------------------------- the request
     @torch.no_grad()
     def prefill(self, input_ids, *, tenant: str | None = None, save: bool = True, use_pool: bool = True,
@@ -308,6 +315,8 @@ class HFConnector:
                 loaded, cache = self._load(tenant, keys, usable)
                 if loaded:
                     self.breakeven.observe_load(len(loaded) * self.spec.chunk_nbytes, time.perf_counter() - t1)
+                else:  # nothing came back (failed, or evicted since the lookup): not a load
+                    self.breakeven.loaded -= 1
                 timings["load_s"] = time.perf_counter() - t1
             if self.compress is not None:
                 compressed = compress_store.load_compressed(self, tenant, keys, n, min(len(loaded) * c, n - 1))
@@ -323,8 +332,6 @@ class HFConnector:
             out = self.model(input_ids=ids[:, hit:].to(device), use_cache=True, **pos, **{self._arg: cache})
             timings["prefill_s"] = time.perf_counter() - t2
             self.breakeven.observe_prefill(n - hit, timings["prefill_s"])
-            self.breakeven.maybe_report(self.pool, f"transformers {self.spec.model_id} pid {_pid()}",
-                                        self.spec.chunk_nbytes // self.spec.chunk_tokens)
             if cache.get_seq_length() + ahead != n:
                 raise RuntimeError(f"the model did not fill the cache it was given ({cache.get_seq_length()} of {n} "
                                    f"tokens): its forward ignored `{self._arg}=`; this transformers version is not "
@@ -371,12 +378,6 @@ class HFConnector:
         return tokens, first
 
 
-def _pid() -> int:
-    import os
-
-    return os.getpid()
-
-
 def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return cache.layers[layer].keys, cache.layers[layer].values
@@ -387,8 +388,7 @@ def tiny_llama(seed: int = 0, *, layers: int = 2, hidden: int = 256, heads: int 
                vocab: int = 1024, max_positions: int = 32768, init_range: float = 0.2):
     """A random-weight Llama (no download), deterministic by seed, in fp32 and eval mode.
 
-    NOTE: a larger init than the default 0.02 makes logits depend strongly on the KV: with the
-    default, perturbing K moved logits by only ~1e-3, too little for a reuse test to see."""
+    NOTE: a larger init than the default 0.02 makes logits depend on the KV (perturbing K moved 0.02's by ~1e-3)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,

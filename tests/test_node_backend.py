@@ -42,7 +42,7 @@ def config(run_dir: str, **extra) -> dict:
 def ray_pool(tmp_path_factory):
     """(the run dir, a function that brings the pool up, a ClusterPool opened before the pool ran)."""
     run_dir = str(tmp_path_factory.mktemp("run"))
-    early = open_pool(SPEC, config(run_dir))  # an engine that starts before its pool
+    early = open_pool(SPEC, config(run_dir, degraded=True))  # an engine that starts before its pool
     old = os.environ.get("KVPOOL_RUN_DIR")
     for k in ("KVPOOL_SECRET", "KVPOOL_SECRET_FILE"):  # an open pool: tenants by id
         os.environ.pop(k, None)
@@ -135,7 +135,7 @@ def test_load_views_read_this_nodes_chunks_one_at_a_time_into_reused_buffers(ray
 
 def test_a_client_made_while_no_pool_runs_is_a_fast_miss(tmp_path):
     t0 = time.monotonic()
-    pool = open_pool(SPEC, config(str(tmp_path)))
+    pool = open_pool(SPEC, config(str(tmp_path), degraded=True))
     assert time.monotonic() - t0 < 1.0
     assert pool.client.shards == {}
     keys = pool.keys("a", list(range(3 * SPEC.chunk_tokens)))

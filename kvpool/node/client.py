@@ -11,8 +11,8 @@
   flight) is one call on the socket; the shard does it as a client of the pool.
 - **A dead pool is a miss.** A shard, Ray head or Redis that is down or restarting never stops,
   hangs or slows the engine beyond one call's deadline: reads are misses, writes store nothing,
-  and a failed connection is retried at most every ``retry_s``. The engine can start before the
-  pool does.
+  and a failed connection is retried at most every ``retry_s``. A connector checks at start that
+  the shard answers (kvpool.node.probe; ``"degraded": true`` starts without it).
 
 The surface is PoolClient's (``lookup``, ``begin``/``end``, ``put``, ``get``, ``pin``), so
 ClusterPool runs over either. Found through ``kvpool-<pool>-<shard>.node`` in ``$KVPOOL_RUN_DIR``
@@ -113,7 +113,7 @@ class NodeClient:
         path, info, sock = live[0]
         try:
             at = _Attached(info, path)
-        except KvPoolError as e:
+        except (KvPoolError, OSError, KeyError, ValueError) as e:  # a stale or foreign node file: not a shard
             sock.close()
             log.warning("kvpool: cannot map the node's shard (%s); reads are misses", e)
             return None

@@ -166,6 +166,7 @@ class Server:
         credential = Authority(POOL_SECRET).issue("default")  # what the operator hands the engine
         pool = {"backend": "node", "pool": "default", "run_dir": run_dir, "timeout_s": 2.0, "chunk_tokens": CHUNK,
                 "tenants": [{"id": "default", "credential": credential}],
+                "degraded": True,  # started before the pool, on purpose (it would fail at start otherwise)
                 "breakeven_margin": 0.0}  # always load a pool hit: this module tests the pool's faults
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
