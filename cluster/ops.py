@@ -316,7 +316,8 @@ def format_stats(st: dict) -> str:
         if tenants:
             lines.append(f"{'':<20}tenants: {tenants}")
     if st.get("engines"):
-        lines += ["", "engines (measured by their connectors: load or recompute):"]
+        lines += ["(hit rate: reads through the shard; its node's engines read their hits from shared memory, "
+                  "counted below)", "", "engines (measured by their connectors: load or recompute):"]
         for name, e in sorted(st["engines"].items()):
             adv = e.get("load_advantage")
             lines.append(f"  {name}: loads {e['load_gbps'] or 0:.2f} GB/s, prefill {e['prefill_ms_per_token'] or 0:.3f} "
@@ -324,7 +325,8 @@ def format_stats(st: dict) -> str:
                          f"  {name}: not measured yet")
             failed = (f", {e['load_failures']} failed loads ({e.get('failed_tokens', 0)} tokens recomputed, not hits)"
                       if e.get("load_failures") else "")
-            lines.append(f"    {e['loads']} loads, {e['recomputes']} recomputes{failed}")
+            tokens = f" ({e['loaded_tokens']} tokens from the pool)" if "loaded_tokens" in e else ""
+            lines.append(f"    {e['loads']} loads{tokens}, {e['recomputes']} recomputes{failed}")
             if e.get("degraded"):
                 lines.append(f"    DEGRADED: its pool does not answer; recomputing every prompt "
                              f"({e.get('degraded_s', 0):.0f} s degraded so far)")

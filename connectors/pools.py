@@ -76,6 +76,7 @@ log = logging.getLogger("kvpool.connectors")
 BACKENDS = ("local", "node", "ray")
 START_TIMEOUT_S = 30.0  # how long a connector waits at start for a "node" pool that is starting
 REPORT_S = 5.0  # how often a connector reports its figures (a heartbeat for `kvpool stats`)
+POKE_GAP_S = 0.5  # at most this often when its figures change
 KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "ray_address", "namespace",
               "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
               "run_dir", "storage_format", "degraded", "start_timeout_s",
@@ -339,7 +340,7 @@ class Reporter:
     def __init__(self, pool, name: str, figures, every_s: float = REPORT_S) -> None:
         self.name, self.every_s = name, every_s
         self._send = getattr(pool, "report", None)
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         if self._send is None:
             return
         ref = weakref.WeakMethod(figures) if hasattr(figures, "__self__") else (lambda: figures)
@@ -355,8 +356,14 @@ class Reporter:
             except Exception as e:  # noqa: BLE001 - a figure that cannot be read now: next time
                 log.debug("kvpool: figures of %s failed (%s)", self.name, e)
             del fn
-            if self._stop.wait(self.every_s):
+            self._wake.wait(self.every_s)
+            self._wake.clear()
+            if self._stop.wait(POKE_GAP_S):  # a burst of pokes: one report
                 return
+
+    def poke(self) -> None:
+        """Reports soon (a load or a recompute just happened), not at the next heartbeat."""
+        self._wake.set()
 
     def send(self, figures: dict[str, Any]) -> None:
         if self._send is not None:
@@ -369,6 +376,7 @@ class Reporter:
         """Stops the heartbeat and tells the controller this engine is gone."""
         if self._send is not None and not self._stop.is_set():
             self._stop.set()
+            self._wake.set()
             try:
                 self._send(self.name, {"goodbye": True})
             except Exception:  # noqa: BLE001 - the controller forgets it after a few intervals anyway

@@ -1,15 +1,10 @@
 """vLLM V1 KV connector: vLLM loads prompt prefixes from the kvpool and saves new ones into it.
 
-Select it with::
-
-    LLM(..., kv_transfer_config={
-        "kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"backend": "local", "chunk_tokens": 256, ...}})
-
-(``kv_transfer_config(**pool_config)`` builds it.) On a cluster use ``"backend": "node"``: the
-engine reaches its node's shard without joining Ray and keeps serving (recomputing) while the pool
-is down. The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
+Run it with ``vllm serve MODEL ... --kv-transfer-config "$(kvpool connect vllm)"`` (the README's
+quickstart, docs/engines.md): ``"backend": "node"``, the engine reaches its node's shard without
+joining Ray, and the pool outlives the engine. (``"backend": "local"`` is a pool inside this
+process, for tests: it dies with the engine.) ``kv_transfer_config(**pool_config)`` builds the dict.
+The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
 ``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
 checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
 share; sliding-window, hybrid and MLA models are refused at start. A lossy ``"storage_format"``
@@ -123,8 +118,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             # NOTE: each rank holds a slice of the heads/layers; keying them apart is future work.
             raise BadRequest("KVPoolConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
         if pool_config.get("backend", "local") == "local" and par.distributed_executor_backend not in ("uni", None):
-            # NOTE: a local pool lives in one process: with the worker in its own (executor "mp"), the
-            # scheduler would never see its saves. A 'node'/'ray' pool is opened by each of them.
+            # NOTE: a local pool is in one process: with the worker apart (executor "mp") the scheduler never sees its saves
             raise BadRequest(f"KVPoolConnector: a 'local' pool is in-process, but vLLM runs its worker apart from "
                              f"the scheduler (distributed_executor_backend={par.distributed_executor_backend!r}): "
                              "use --distributed-executor-backend uni (with VLLM_ENABLE_V1_MULTIPROCESSING=0 on "
@@ -192,6 +186,8 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+        if self.reporter is not None:  # `kvpool stats` shows a load within a second, not at the next heartbeat
+            self.reporter.poke()
 
     def stats(self) -> dict[str, Any]:
         """Counters (the worker's arrive with each step's output), break-even figures, ``health``."""
