@@ -5,9 +5,12 @@ neither): ``python -m kvpool.connectors.gpu_check vllm|sglang``.
   run of the same prompt in a fresh engine loads its prefix from the pool (the connector reports
   the matched tokens) and yields the cold run's tokens and log-probs; then the TTFT table of
   ``kvpool bench ttft --engine vllm`` for 1K/4K/16K.
-- ``sglang``: prints the command that serves the same model with kvpool as SGLang's HiCache
-  storage backend, and the two requests that show a storage hit (SGLang's server has to run in
-  its own process, so this check guides it rather than running it).
+- ``sglang``: SGLang's real server (``sglang.launch_server``) with kvpool as its HiCache storage
+  backend on a pool the check starts, the same prompt across a server restart: the answer is the
+  same and its prefix comes from kvpool (:mod:`kvpool.connectors.gpu_check_sglang`; ``--dry-run``
+  prints the commands, ``--python`` names SGLang's interpreter).
+
+Without a GPU either mode says so and exits with 2.
 
 NOTE: prepared, not yet run: no GPU machine has been lent to this project's tasks so far.
 """
@@ -18,14 +21,23 @@ import json
 import sys
 import tempfile
 
+USAGE = "usage: python -m kvpool.connectors.gpu_check vllm|sglang [sglang options: --dry-run, --python PATH]"
 
-def check_vllm() -> int:
-    import numpy as np
+
+def check_vllm(argv: list[str]) -> int:
     import torch
+
+    if argv:
+        print(f"the vllm check takes no options, got {argv}; {USAGE}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"vLLM GPU check not run: torch {torch.__version__} sees no CUDA GPU here; run it on a machine with an "
+              "NVIDIA GPU and the official vLLM (.ci/gpu-check)", file=sys.stderr)
+        return 2
+    import numpy as np
 
     from kvpool.connectors import bench_ttft, vllm_bench
 
-    assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, 4096, 1000)]
     with tempfile.TemporaryDirectory(prefix="kvpool-gpu-") as d:
         bench_ttft.bench_model().to(torch.float16).save_pretrained(d)
@@ -38,19 +50,19 @@ def check_vllm() -> int:
     return 0 if ok else 1
 
 
-def check_sglang() -> int:
-    extra = {"backend_name": "kvpool", "module_path": "kvpool.connectors.sglang", "class_name": "KVPoolStorage",
-             "dram_mib": 4096}
-    print("Serve (GPU, official SGLang installed), with a small local model directory MODEL:")
-    print("  python -m sglang.launch_server --model-path MODEL --page-size 64 --enable-hierarchical-cache \\\n"
-          "    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
-          f"'{json.dumps(extra)}'")
-    print("Then send the same long prompt twice with the device and host caches flushed in between\n"
-          "(POST /flush_cache); the second response's cached tokens come from kvpool (the server's\n"
-          "storage hit metrics rise) and its output tokens equal the first's.")
-    return 0
+def check_sglang(argv: list[str]) -> int:
+    from kvpool.connectors import gpu_check_sglang
+
+    return gpu_check_sglang.main(argv)
+
+
+def main(argv: list[str]) -> int:
+    checks = {"vllm": check_vllm, "sglang": check_sglang}
+    if not argv or argv[0] not in checks:
+        print(USAGE, file=sys.stderr)
+        return 2
+    return checks[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "vllm"
-    sys.exit({"vllm": check_vllm, "sglang": check_sglang}[which]())
+    sys.exit(main(sys.argv[1:]))
