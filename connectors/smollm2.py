@@ -124,3 +124,7 @@ def chat_ids(tok, messages: list[dict], *, generation_prompt: bool = True) -> li
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+if __name__ == "__main__":  # `python -m kvpool.connectors.smollm2`: write the checkpoint (once), print its folder
+    print(checkpoint())

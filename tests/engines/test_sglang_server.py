@@ -131,3 +131,28 @@ def test_the_verdict_needs_the_same_answer_and_a_storage_hit():
     ok, problems = verdict({"cold_tokens": [5, 6], "warm_tokens": [5, 7], "warm_storage_tokens": 960})
     assert not ok and "not the cold one" in problems[0]
     assert not verdict({"cold_tokens": [], "warm_tokens": [], "warm_storage_tokens": 960})[0]  # no answer at all
+
+
+def test_kvpool_connect_sglang_builds_kvpools_backend_through_sglangs_factory(tmp_path):
+    """What `kvpool connect sglang` prints (docs/engines.md) is an extra config SGLang's own factory
+    turns into kvpool's backend, with the tenant's credential from the file it names."""
+    from kvpool.auth import Authority
+    from kvpool.connectors.sglang import KVPoolStorage
+
+    secret = "s" * 64
+    (tmp_path / "secret").write_text(secret)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_SECRET")} | {"HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli", "connect", "sglang", "--secret-file",
+                        str(tmp_path / "secret"), "--chunk-tokens", "64"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    extra = json.loads(r.stdout)
+    model = save_tiny_llama(tmp_path / "model", seed=0)
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name=str(model), extra_config=extra)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, mem_pool_host=None)
+    assert type(backend) is KVPoolStorage and backend.config["backend"] == "node"
+    assert backend.tenant == "default"
+    creds = json.loads(open(extra["credentials_file"]).read())
+    assert Authority(secret).verify(creds["default"]).tenant == "default"
