@@ -1,4 +1,5 @@
-"""Quantized KV of the real model across engines: vLLM's CPU build serving SmolLM2-135M-Instruct
+"""The real model in vLLM: its CPU build serves SmolLM2-135M-Instruct (its safetensors checkpoint)
+with transformers' greedy tokens; and quantized KV across engines: vLLM serving it
 with ``storage_format: int4-kivi`` saves its chunks quantized, and its greedy tokens on a pool hit
 equal transformers' greedy tokens loading the same chunks (and transformers' own saves load in vLLM
 the same way). The chunks are lossy: the log-probs differ from a recompute, yet both engines read
@@ -46,8 +47,8 @@ def engines():
     close_local_pools()
 
 
-def vllm_run(llm, conn, tokens):
-    sp = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=1, ignore_eos=True)
+def vllm_run(llm, conn, tokens, n=NEW):
+    sp = SamplingParams(max_tokens=n, temperature=0.0, logprobs=1, ignore_eos=True)
     before = dict(conn.stats())
     o = llm.generate([{"prompt_token_ids": list(tokens)}], sp, use_tqdm=False)[0].outputs[0]
     gained = {k: v - before.get(k, 0) for k, v in conn.stats().items() if isinstance(v, int)}
@@ -64,6 +65,35 @@ def stored_sizes(hf, tokens):
     pool = hf.pool
     where = pool.addresses("default", pool.keys("default", tokens))
     return [None if got is None else got.shape[0] for got in pool.store.get_many(where, "default")]
+
+
+QUESTIONS = ["What is the capital of France?", "Name the three primary colors.",
+             "Write one sentence about the sea."]
+
+
+def hf_greedy(model, tokens, n):
+    """transformers' greedy tokens, each step recomputing the whole sequence (no cache API involved)."""
+    ids, out = list(tokens), []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(nxt)
+            ids.append(nxt)
+    return out
+
+
+def test_vllm_answers_paris_and_matches_transformers(engines):
+    """Chat prompts shorter than a chunk: nothing of the pool is involved, only the two engines."""
+    _, llm, conn = engines
+    tok = smollm2.tokenizer()
+    asked = [smollm2.chat_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    assert all(len(ids) < CHUNK for ids in asked)
+    got = [vllm_run(llm, conn, ids, n=12)[0] for ids in asked]
+    assert "Paris" in tok.decode(got[0], skip_special_tokens=True), tok.decode(got[0])
+    model = smollm2.load()[0]
+    want = [hf_greedy(model, ids, 12) for ids in asked]
+    assert got == want, [(tok.decode(g), tok.decode(w)) for g, w in zip(got, want)]
+    assert len({tuple(g) for g in got}) == len(QUESTIONS)  # three questions, three answers
 
 
 def test_vllm_and_transformers_read_the_same_quantized_chunks_of_the_real_model(engines):
