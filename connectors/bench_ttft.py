@@ -111,10 +111,12 @@ def _measure_hf(conn, prompts: list[torch.Tensor], new_tokens: int, progress: bo
     return rows
 
 
-def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int = 3, model: str = "random") -> list[dict]:
+def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | None = None,
+             model: str = "random") -> list[dict]:
     """The same random Llama as the transformers rows, saved for vLLM (or ``model="smollm2"``: the
-    real model's checkpoint and prompts); per context: cold, warm from the pool in a fresh engine,
-    and vLLM's own prefix-cache hit (medians of ``repeats``)."""
+    real model's checkpoint and prompts); per context: cold, the pool hit in a fresh engine and
+    vLLM's own prefix-cache hit in that same engine (medians of ``repeats``: default 5 up to 4K
+    tokens, 1 above)."""
     import tempfile
 
     import numpy as np
@@ -137,14 +139,17 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int = 3, 
             prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 4096, ctx)] for i, ctx in enumerate(contexts)]
         with Progress(len(contexts), "bench ttft (vllm)", enabled=progress) as bar:
             for (asked, ctx), tokens in zip(sizes, prompts):
-                r = vllm_bench.measure_ttft(tokens, d, repeats=repeats if ctx <= 4096 else 1,
-                                            max_model_len=max_len or max(2048, ctx + 64))
-                rows.append({"engine": "vllm", "context": ctx, "cold_ttft_s": r["cold_ttft_s"],
+                reps = repeats if repeats is not None else 5 if ctx <= 4096 else 1
+                r = vllm_bench.measure_ttft(tokens, d, repeats=reps, max_model_len=max_len or max(2048, ctx + 64))
+                rows.append({"engine": "vllm", "context": ctx, "repeats": reps, "protocol": r["protocol"],
+                             "cold_ttft_s": r["cold_ttft_s"],
                              "warm_ttft_s": r["warm_ttft_s"], "native_hit_ttft_s": r["native_hit_ttft_s"],
-                             "speedup": r["cold_ttft_s"] / r["warm_ttft_s"],
-                             "warm_vs_native": r["warm_ttft_s"] / r["native_hit_ttft_s"],
+                             "speedup": r["cold_ttft_s"] / r["warm_ttft_s"], "warm_vs_native": r["warm_vs_native"],
+                             **{f"{k}_runs_s": r[f"{k}_runs_s"] for k in ("cold", "warm", "native")},
                              "loaded_tokens": r["warm_loaded_tokens"], "same_output": r["same_output"],
-                             "logprob_max_diff": r["logprob_max_diff"], "warm_load_s": r["warm_load_s"]})
+                             "logprob_max_diff": r["logprob_max_diff"],
+                             "pool_vs_native_logprob_diff": r["pool_vs_native_logprob_diff"],
+                             "warm_load_s": r["warm_load_s"], "warm_load_pool_s": r["warm_load_pool_s"]})
                 if model == "smollm2":
                     rows[-1].update(model="smollm2", asked_context=asked, answer_tokens=r["cold_tokens"],
                                     answer=real.answer_text(r["cold_tokens"]))
@@ -187,7 +192,7 @@ def run(engine: str, contexts: list[int], progress: bool = True, backend: str | 
         except ImportError as e:
             raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
                              "--engine vllm` (make engines builds that virtualenv)") from None
-        return run_vllm(vllm_bench, contexts, progress, model=model)
+        return run_vllm(vllm_bench, contexts, progress, repeats=repeats, model=model)
     raise BadRequest(f"engine {engine!r}: choose hf, vllm or vllm-server")
 
 
@@ -208,10 +213,16 @@ def format_table(rows: list[dict] | dict) -> str:
         from kvpool.connectors import bench_ttft_real
 
         return bench_ttft_real.format_table(rows)
-    lines = [f"{'engine':<7}{'context':>8}{'cold s':>9}{'warm s':>9}{'speed-up':>10}{'native hit s':>14}  same output"]
+    lines = [f"{'engine':<7}{'context':>8}{'cold s':>9}{'warm s':>9}{'speed-up':>10}{'native hit s':>14}"
+             f"{'warm/native':>13}  same output"]
     for r in rows:
         native = r.get("native_hit_ttft_s")
+        ratio = r.get("warm_vs_native")
         lines.append(f"{r['engine']:<7}{r['context']:>8}{r['cold_ttft_s']:>9.3f}{r['warm_ttft_s']:>9.3f}"
                      f"{r['cold_ttft_s'] / r['warm_ttft_s']:>9.1f}x{'' if native is None else f'{native:.3f}':>14}"
-                     f"  {r['same_output']}")
+                     f"{'' if ratio is None else f'{ratio:.2f}x':>13}  {r['same_output']}")
+        if native is not None:
+            lines.append("        runs (s): " + "; ".join(
+                f"{k} {min(r[f'{k}_runs_s']):.3f}-{max(r[f'{k}_runs_s']):.3f}" for k in ("cold", "warm", "native")
+                if r.get(f"{k}_runs_s")))
     return "\n".join(lines)

@@ -1,17 +1,23 @@
 """Time to first token with vLLM: cold, warm from the pool in a fresh engine, and vLLM's own hit.
 
-``measure_ttft(context_tokens, model)`` runs, in this process and one after the other:
+``measure_ttft(context_tokens, model)`` measures vLLM's own prefix-cache hit and the pool hit on
+equal terms, the protocol of the server benchmark (:mod:`kvpool.connectors.vllm_server_bench`), in
+this process and one engine after the other:
 
 1. engine A (prefix caching on, KVPoolConnector on an in-process pool of its own): a warm-up
-   prompt of the same length (compiles, and calibrates the load-or-recompute figures), then the
-   context **cold** (nothing cached anywhere; the connector saves its chunks), then the context
-   again: **vLLM's own prefix-cache hit** (engine A still holds its blocks);
-2. engine A is shut down; engine B starts fresh on the same pool, runs its own warm-up, then the
-   context: **warm from the pool** (vLLM has nothing, the connector loads the prefix).
+   prompt of the same length (compiles, and calibrates the load-or-recompute figures), a second
+   one (into the pool, for engine B's warm-up), then the context **cold** once per repeat
+   (nothing cached anywhere; the connector saves its chunks);
+2. engine A is shut down (the restart); engine B starts fresh on the same pool and warms up both
+   paths once with the second warm-up prompt (a pool hit, then vLLM's own hit); then per repeat,
+   one right after the other: the context **from the pool** (vLLM has nothing, the connector
+   loads the prefix) and the context again: **vLLM's own prefix-cache hit**. Same engine, same
+   warm-up, interleaved.
 
-Each TTFT is the wall time of a ``generate`` with one output token. ``same_output`` says
-whether the warm run produced the cold run's tokens and log-probs (``logprob_max_diff``);
-``warm_load_s`` is the warm run's load (pool read ``warm_load_pool_s`` + copy into vLLM's blocks).
+Each TTFT is the wall time of a ``generate`` with one output token. ``same_output`` says whether
+every run produced the first cold run's tokens and log-probs (``logprob_max_diff``, and
+``pool_vs_native_logprob_diff`` between the two hits of each repeat); ``warm_load_s`` is a pool
+hit's load (pool read ``warm_load_pool_s`` + copy into vLLM's blocks), medians.
 
 NOTE: vLLM's own hit can only cover whole blocks up to the prompt's last token, so on the native
 run the connector may still load the sub-block tail (``native_pool_tokens``, at most a block).
@@ -92,68 +98,76 @@ def _delta(llm, before: dict, key: str) -> int:
 
 
 def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 256, block_size: int = 32,
-                 dtype: str = "float32", dram_mib: int = 1024, repeats: int = 1, seed: int = 0,
+                 dtype: str = "float32", dram_mib: int = 1024, repeats: int = 5, seed: int = 0,
                  **engine_args: Any) -> dict[str, Any]:
-    """Cold, warm-from-pool (fresh engine) and vLLM-native-hit TTFT of one context; see the module
-    docstring. ``model`` is a local model directory or name vLLM can load without a tokenizer.
+    """Cold, pool hit (fresh engine) and vLLM's own hit of one context, on equal terms; see the
+    module docstring. ``model`` is a local model directory or name vLLM can load without a tokenizer.
 
-    ``repeats`` > 1 measures each case that many times (every repetition as a tenant of its own,
-    sending its request secret as ``cache_salt``, so its cold run is cold for vLLM and for the pool) and reports medians: on a
-    shared machine single runs vary several-fold. Engine arguments (``max_model_len``, ...) pass
+    Each of the ``repeats`` is a tenant of its own, sending its request secret as ``cache_salt``,
+    so its cold run is cold for vLLM and for the pool; medians and every run are reported (on a
+    shared machine single runs vary several-fold). Engine arguments (``max_model_len``, ...) pass
     through to ``vllm.LLM``."""
     import numpy as np
 
     n = len(context_tokens)
     if n <= chunk_tokens:
         raise BadRequest(f"the context has {n} tokens; measure_ttft needs more than one chunk ({chunk_tokens})")
-    # NOTE: a cache_salt is a tenant's request secret (kvpool.connectors.tenancy): each repetition
-    # is a tenant of its own, so its cold run is cold for vLLM and for the pool.
-    salts = [f"kvpool-ttft-repeat-{i}" for i in range(max(1, repeats))]
+    if repeats < 1:
+        raise BadRequest(f"repeats={repeats}: measure at least once")
+    salts = [f"kvpool-ttft-repeat-{i}" for i in range(repeats)]
     pool = {"backend": "local", "pool": f"ttft-{uuid.uuid4().hex[:8]}", "chunk_tokens": chunk_tokens,
             "dram_mib": dram_mib,
             "tenants": ["default", *({"id": f"ttft-{i}", "request_secret": s} for i, s in enumerate(salts))]}
     rng = np.random.default_rng(seed)
     warmups = [[int(t) for t in rng.integers(3, max(max(context_tokens) + 1, 4), n)] for _ in range(2)]
     max_len = engine_args.pop("max_model_len", None) or max(2048, n + 16)
-    cold, native, warm = [], [], []
+    cold, native, warm, loaded, native_pool = [], [], [], [], []
 
     t0 = time.perf_counter()
     llm = make_engine(model, pool, block_size=block_size, dtype=dtype, max_model_len=max_len, **engine_args)
     start_s = time.perf_counter() - t0
     try:
         _timed(llm, warmups[0])  # compiles; calibrates the load-or-recompute figures
-        before = dict(scheduler_connector(llm).stats())
+        _timed(llm, warmups[1])  # into the pool: engine B's warm-up
         for salt in salts:
             cold.append(_timed(llm, context_tokens, salt))
-            native.append(_timed(llm, context_tokens, salt))
-        native_pool = _delta(llm, before, "matched_tokens")
     finally:
         shutdown_engine(llm)
         del llm
     llm = make_engine(model, pool, block_size=block_size, dtype=dtype, max_model_len=max_len, **engine_args)
     try:
-        _timed(llm, warmups[1])
-        before = dict(scheduler_connector(llm).stats())
+        _timed(llm, warmups[1])  # the same warm-up for both paths: a pool hit,
+        _timed(llm, warmups[1])  # then an own hit
         for salt in salts:
-            warm.append(_timed(llm, context_tokens, salt))
-        loaded = _delta(llm, before, "loaded_tokens")
-        load_s, pool_s = _delta(llm, before, "load_us") / 1e6, _delta(llm, before, "load_pool_us") / 1e6
+            s0 = dict(scheduler_connector(llm).stats())
+            warm.append(_timed(llm, context_tokens, salt))  # vLLM holds none of it: the pool hit
+            s1 = dict(scheduler_connector(llm).stats())
+            native.append(_timed(llm, context_tokens, salt))  # the same again: vLLM's own hit
+            loaded.append({key: s1.get(key, 0) - s0.get(key, 0) for key in ("loaded_tokens", "load_us", "load_pool_us")})
+            native_pool.append(_delta(llm, s1, "matched_tokens"))
         breakeven = scheduler_connector(llm).stats().get("breakeven")
     finally:
         shutdown_engine(llm)
         del llm
     ref_tokens, ref_lp = cold[0][1], cold[0][2]
-    diff = max((abs(a - b) for w in warm for a, b in zip(ref_lp, w[2])), default=0.0)
+    diff = max((abs(a - b) for r in (*cold, *warm, *native) for a, b in zip(ref_lp, r[2])), default=0.0)
+    pool_vs_native = max((abs(a - b) for w, x in zip(warm, native) for a, b in zip(w[2], x[2])), default=0.0)
+    same = all(r[1] == ref_tokens and len(r[2]) == len(ref_tokens) for r in (*cold, *warm, *native))
     k = len(salts)
     return {
         "context_tokens": n, "chunk_tokens": chunk_tokens, "repeats": k,
+        "protocol": "cold in engine A; pool hit then own hit of each repeat, interleaved, in the fresh engine B "
+                    "after one warm-up of both paths",
         "cold_ttft_s": median([c[0] for c in cold]), "warm_ttft_s": median([w[0] for w in warm]),
         "native_hit_ttft_s": median([x[0] for x in native]),
+        "warm_vs_native": median([w[0] / x[0] for w, x in zip(warm, native)]),
         "cold_runs_s": [c[0] for c in cold], "warm_runs_s": [w[0] for w in warm],
         "native_runs_s": [x[0] for x in native],
-        "same_output": all(w[1] == ref_tokens for w in warm) and diff <= 1e-4, "logprob_max_diff": diff,
-        "cold_tokens": ref_tokens, "warm_loaded_tokens": loaded // k, "warm_cached_tokens": warm[0][3],
-        "native_cached_tokens": native[0][3], "native_pool_tokens": native_pool // k,
-        "warm_load_s": load_s / k, "warm_load_pool_s": pool_s / k,
+        "same_output": same and bool(ref_lp) and diff <= 1e-4, "logprob_max_diff": diff,
+        "pool_vs_native_logprob_diff": pool_vs_native,
+        "cold_tokens": ref_tokens, "warm_loaded_tokens": min(x["loaded_tokens"] for x in loaded), "warm_cached_tokens": min(w[3] for w in warm),
+        "native_cached_tokens": min(x[3] for x in native), "native_pool_tokens": max(native_pool),
+        "warm_load_s": median(x["load_us"] for x in loaded) / 1e6,
+        "warm_load_pool_s": median(x["load_pool_us"] for x in loaded) / 1e6,
         "engine_start_s": start_s, "breakeven": breakeven,
     }

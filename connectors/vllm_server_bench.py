@@ -7,30 +7,44 @@ OpenAI server (:class:`~kvpool.connectors.vllm_server_proc.Server`) with the KVP
 NodeClient). ``backend="local"``: the same server with vLLM's engine in-process and the
 connector's in-process pool (what the issue 7 numbers used, there through ``vllm.LLM``).
 
-Per repeat, a fresh random prompt of ``context`` token ids (``prompt`` as a list of ints to
-``/v1/completions``, ``max_tokens=1``, ``temperature=0``, ``logprobs=1``):
+Every request is a prompt of ``context`` token ids (``prompt`` as a list of ints to
+``/v1/completions``, ``max_tokens=1``, ``temperature=0``, ``logprobs=1``); ``repeats`` fresh random
+prompts P_i. vLLM's own hit and the pool hit are measured **on equal terms**: on the same server,
+after the same warm-up, interleaved, each timed the same way:
 
-a. **cold**: the first request (nothing cached anywhere; the connector saves its chunks);
-b. **native**: the same prompt again: vLLM's own prefix-cache hit;
-c. ``POST /reset_prefix_cache``, then the same prompt: the **pool** hit. Valid only when vLLM's
-   ``vllm:prompt_tokens_cached_by_source_total{source="host"}`` grew by the prompt's whole chunks
-   (the last token is always computed: ``min(whole chunks, context - 1)`` tokens).
+1. server A: a warm-up prompt W0 (compiles; not counted), a second one W1 (into the pool), then
+   each P_i **cold** (nothing cached anywhere; the connector saves its chunks).
+2. ``backend="node"``: server A is stopped and server B started: the **pool hit after restart**
+   (the pool outside the engine keeps the chunks). ``backend="local"``: the in-process pool dies
+   with its server, so vLLM's own cache is emptied instead (``POST /reset_prefix_cache``).
+3. warm-up of the measured server, both paths once, not counted: W1 (a pool hit), W1 again (an own hit).
+4. per i, one right after the other: P_i, the **pool hit** (vLLM holds none of it: valid only
+   when vLLM's ``vllm:prompt_tokens_cached_by_source_total{source="host"}`` grew by the prompt's
+   whole chunks, ``min(whole chunks, context - 1)`` tokens, and ``source="device"`` did not), then
+   P_i again, **vLLM's own hit** (valid when ``source="device"`` covered the whole blocks before
+   the last token).
+
+Medians and ranges over the repeats; pool / native is the median of the per-repeat ratios. The
+answers must agree: the same token and log-prob (within 1e-4; the pool and own hit compute the
+same last token over the same KV bits, cold computes the whole prompt in other batch shapes) for
+cold, own hit and pool hit, and a server that returns no log-probs fails the run.
 
 TTFT is the wall time of the non-streamed HTTP request (``max_tokens=1``: the first token is the
-whole answer) on a kept-alive connection. Beside it, per request, the deltas of the server's own
-histograms (``vllm:time_to_first_token_seconds``, ``..._queue_time``, ``..._prefill_time``) say
-where the time went. One warm-up round (cold, native, reset, pool) runs first and is not counted.
-The connector's hooks are timed by the server's ``TimedKVPoolConnector``.
+whole answer) on a kept-alive connection, for every case. Beside it, per request, the deltas of
+the server's own histograms (``vllm:time_to_first_token_seconds``, ``..._queue_time``,
+``..._prefill_time``) say where the time went; the connector's hooks are timed by the server's
+``TimedKVPoolConnector``.
 
 NOTE: vLLM's own hit covers whole blocks up to the prompt's last token (4064 of 4096 tokens with
-32-token blocks): on the native request the connector still loads the 31-token tail from the pool
-(one chunk read, ``native_pool_tokens``). The issue 7 numbers measured the same.
+32-token blocks): on the own-hit request the connector still loads the 31-token tail from the
+pool (one chunk read, ``native_pool_tokens``).
 Everything started here is stopped on exit, on an exception and on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -53,39 +67,70 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
 
 
-def _round(server: Server, prompt: list[int]) -> dict[str, dict]:
-    cold = server.complete(prompt)
-    native = server.complete(prompt)
-    server.reset_prefix_cache()
+def _measured(server: Server, prompt: list[int]) -> tuple[dict, dict]:
+    """The pool hit (vLLM holds nothing of ``prompt``) and, right after it on the same server,
+    vLLM's own hit of the same prompt."""
     pool = server.complete(prompt)
-    return {"cold": cold, "native": native, "pool": pool}
+    return pool, server.complete(prompt)
 
 
-def _measure(server: Server, context: int, repeats: int, vocab: int, seed: int, progress: bool,
-             label: str) -> dict[str, Any]:
+def _row(i: int, c: dict, n: dict, p: dict, whole: int, own: int) -> dict[str, Any]:
+    lps = [x["logprob"] for x in (c, n, p)]
+    have = all(x is not None for x in lps)
+    return {"repeat": i, "cold_s": c["ttft_s"], "native_s": n["ttft_s"], "pool_s": p["ttft_s"],
+            "pool_vs_native": p["ttft_s"] / n["ttft_s"], "cold_vs_pool": c["ttft_s"] / p["ttft_s"],
+            "pool_tokens": p["pool_tokens"], "pool_local_tokens": p["local_tokens"],
+            "native_local_tokens": n["local_tokens"], "native_pool_tokens": n["pool_tokens"],
+            "cold_cached_tokens": c["local_tokens"] + c["pool_tokens"],
+            "pool_hit_valid": p["pool_tokens"] >= whole and p["local_tokens"] == 0
+            and c["local_tokens"] + c["pool_tokens"] == 0,
+            "native_hit_valid": n["local_tokens"] >= own,
+            "same_token": c["token"] == n["token"] == p["token"] and bool(c["token"]),
+            "logprobs": lps,
+            "logprob_max_diff": (max(lps) - min(lps)) if have else None,
+            "pool_vs_native_logprob_diff": abs(p["logprob"] - n["logprob"]) if have else None,
+            "tokens": [c["token"], n["token"], p["token"]],
+            "server": {k: {f: x[f"server_{f}_s"] for f in ("ttft", "queue", "prefill")}
+                       for k, x in (("cold", c), ("native", n), ("pool", p))},
+            "connector": {k: x["connector"] for k, x in (("cold", c), ("native", n), ("pool", p))}}
+
+
+def _measure(start, context: int, repeats: int, vocab: int, seed: int, progress: bool, label: str,
+             restart: bool) -> dict[str, Any]:
+    """The protocol of the module docstring on servers made by ``start()`` (each closed here, also
+    on an exception)."""
     whole = min(context // CHUNK_TOKENS * CHUNK_TOKENS, context - 1)
-    _round(server, _prompt(context, seed + 10_000, vocab))  # warm-up: not counted
-    rows = []
-    for i in range(repeats):
-        r = _round(server, _prompt(context, seed + i, vocab))
-        c, n, p = r["cold"], r["native"], r["pool"]
-        lps = [x["logprob"] for x in (c, n, p) if x["logprob"] is not None]
-        row = {"repeat": i, "cold_s": c["ttft_s"], "native_s": n["ttft_s"], "pool_s": p["ttft_s"],
-               "pool_vs_native": p["ttft_s"] / n["ttft_s"], "cold_vs_pool": c["ttft_s"] / p["ttft_s"],
-               "pool_tokens": p["pool_tokens"], "pool_local_tokens": p["local_tokens"],
-               "native_local_tokens": n["local_tokens"], "native_pool_tokens": n["pool_tokens"],
-               "cold_cached_tokens": c["local_tokens"] + c["pool_tokens"],
-               "pool_hit_valid": p["pool_tokens"] >= whole and c["local_tokens"] + c["pool_tokens"] == 0,
-               "same_token": c["token"] == n["token"] == p["token"] and bool(c["token"]),
-               "logprob_max_diff": (max(lps) - min(lps)) if len(lps) == 3 else None,
-               "tokens": [c["token"], n["token"], p["token"]],
-               "server": {k: {f: x[f"server_{f}_s"] for f in ("ttft", "queue", "prefill")}
-                          for k, x in (("cold", c), ("native", n), ("pool", p))},
-               "connector": {k: x["connector"] for k, x in (("cold", c), ("native", n), ("pool", p))}}
-        rows.append(row)
-        _log(f"{label} repeat {i}: cold {row['cold_s']:.3f} s, native {row['native_s']:.3f} s, pool "
-             f"{row['pool_s']:.3f} s ({row['pool_vs_native']:.2f}x native), pool tokens {row['pool_tokens']}, "
-             f"same token {row['same_token']}", progress)
+    own = (context - 1) // BLOCK_SIZE * BLOCK_SIZE  # vLLM's own hit: whole blocks before the last token
+    prompts = [_prompt(context, seed + i, vocab) for i in range(repeats)]
+    warm = [_prompt(context, seed + 10_000 + k, vocab) for k in range(2)]
+    server = start()
+    try:
+        server.complete(warm[0])  # warm-up (compiles): not counted
+        server.complete(warm[1])  # into the pool: the warm-up of the measured server
+        colds = []
+        for i, p in enumerate(prompts):
+            colds.append(server.complete(p))
+            _log(f"{label} cold {i}: {colds[-1]['ttft_s']:.3f} s", progress)
+        if restart:
+            server.close()
+            _log(f"{label}: vLLM's server restarted (the pool keeps the prompts)", progress)
+            server = start()
+        else:
+            server.reset_prefix_cache()  # an in-process pool dies with the server: vLLM's own cache emptied instead
+        _measured(server, warm[1])  # the same warm-up for both paths: one pool hit, one own hit; not counted
+        rows = []
+        for i, p in enumerate(prompts):
+            pool, native = _measured(server, p)
+            rows.append(_row(i, colds[i], native, pool, whole, own))
+            r = rows[-1]
+            _log(f"{label} repeat {i}: pool {r['pool_s']:.3f} s, native {r['native_s']:.3f} s "
+                 f"({r['pool_vs_native']:.2f}x native), pool tokens {r['pool_tokens']}, same token {r['same_token']}, "
+                 f"log-prob diff {r['logprob_max_diff']}", progress)
+    except Exception:
+        print(f"--- the vLLM server's log ({label}), its end:\n{server.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        server.close()
     return summarize(rows, whole)
 
 
@@ -95,6 +140,7 @@ def summarize(rows: list[dict], whole: int) -> dict[str, Any]:
         return {"median": median(v), "min": min(v), "max": max(v)}
 
     diffs = [r["logprob_max_diff"] for r in rows if r["logprob_max_diff"] is not None]
+    pn = [r["pool_vs_native_logprob_diff"] for r in rows if r["pool_vs_native_logprob_diff"] is not None]
     return {"repeats": rows, "expected_pool_tokens": whole,
             **{k: stat(k) for k in ("cold_s", "native_s", "pool_s", "pool_vs_native", "cold_vs_pool")},
             "server_median": {case: {f: median(r["server"][case][f] for r in rows) for f in ("ttft", "queue", "prefill")}
@@ -102,9 +148,11 @@ def summarize(rows: list[dict], whole: int) -> dict[str, Any]:
             "connector_median": {case: {k: median(r["connector"][case].get(k, 0.0) for r in rows)
                                         for k in sorted({k for r in rows for k in r["connector"][case]})}
                                  for case in ("cold", "native", "pool")},
-            "valid": all(r["pool_hit_valid"] for r in rows),
-            "same_answers": all(r["same_token"] for r in rows) and (not diffs or max(diffs) <= 1e-4),
-            "logprob_max_diff": max(diffs) if diffs else None}
+            "valid": all(r["pool_hit_valid"] and r["native_hit_valid"] for r in rows),
+            # NOTE: log-probs are part of the answer: a server that gives none fails the comparison
+            "same_answers": all(r["same_token"] for r in rows) and len(diffs) == len(rows) and max(diffs) <= 1e-4,
+            "logprob_max_diff": max(diffs) if diffs else None,
+            "pool_vs_native_logprob_diff": max(pn) if pn else None}
 
 
 def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("node", "local"), *,
@@ -119,9 +167,23 @@ def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("nod
     result: dict[str, Any] = {"engine": "vllm-server", "context": context, "chunk_tokens": CHUNK_TOKENS,
                               "block_size": BLOCK_SIZE, "repeats": repeats,
                               "ttft": "wall time of a non-streamed POST /v1/completions, max_tokens=1",
+                              "protocol": "cold on server A; pool hit then own hit of each prompt, interleaved, on "
+                                          "the restarted server B after one warm-up of both paths",
                               "backends": {}}
     with terminated_as_interrupt():
         return _run(result, context, repeats, backends, tiny, progress, seed)
+
+
+def _start(model_dir: str, config: dict, context: int, workdir: str, backend: str, to_close: list, starts: list,
+           progress: bool) -> Server:
+    """A vLLM server on ``config``, healthy (its start time appended to ``starts``); it is in
+    ``to_close`` (closing twice is harmless)."""
+    _log(f"vLLM server, backend {backend}", progress)
+    server = Server(model_dir, config, context, workdir, multiprocess=backend == "node")
+    to_close.append(server)
+    starts.append(server.wait_healthy())
+    _log(f"server up in {starts[-1]:.0f} s", progress)
+    return server
 
 
 def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str, ...], tiny: bool, progress: bool,
@@ -160,23 +222,15 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
             else:
                 config = {"backend": "local", "pool": "bench", "chunk_tokens": CHUNK_TOKENS,
                           "dram_mib": chunks * chunk_bytes // (1 << 20) + 64, "tenants": [TENANT]}
-            _log(f"vLLM server, backend {backend}", progress)
-            server = Server(model_dir, config, context, workdir, multiprocess=backend == "node")
-            to_close.append(server)
-            start_s = server.wait_healthy()
-            _log(f"server up in {start_s:.0f} s", progress)
-            try:
-                r = _measure(server, context, repeats, vocab, seed, progress, backend)
-            except Exception:
-                print(f"--- the vLLM server's log (backend {backend}), its end:\n{server.log_tail()}",
-                      file=sys.stderr)
-                raise
-            r.update({"server_start_s": start_s,
+            starts: list[float] = []
+            start = functools.partial(_start, model_dir, config, context, workdir, backend, to_close, starts, progress)
+            r = _measure(start, context, repeats, vocab, seed, progress, backend, restart=backend == "node")
+            r.update({"server_start_s": starts,
                       "engine": "multiprocess (scheduler and worker apart)" if backend == "node" else "in-process",
+                      "pool_hit_after": "a restart of vLLM's server" if backend == "node" else
+                      "POST /reset_prefix_cache (the in-process pool lives in the server)",
                       "index": pool.index if pool else None})
             result["backends"][backend] = r
-            server.close()
-            to_close.remove(server)
             if pool is not None:
                 pool.close()
                 to_close.remove(pool)
@@ -197,10 +251,13 @@ def failures(result: dict[str, Any]) -> list[str]:
     for b, r in result["backends"].items():
         if not r["valid"]:
             bad = [x["repeat"] for x in r["repeats"] if not x["pool_hit_valid"]]
+            own = [x["repeat"] for x in r["repeats"] if not x["native_hit_valid"]]
             why.append(f"{b}: repeats {bad} did not load the prompt's {r['expected_pool_tokens']} tokens from the "
-                       "pool (or the cold request was not cold): INVALID run")
+                       f"pool (or the cold request was not cold, or vLLM already held the prompt), repeats {own} were "
+                       "not vLLM's own hits: INVALID run")
         if not r["same_answers"]:
-            why.append(f"{b}: the answers differ between cold, native and pool (logprob diff {r['logprob_max_diff']})")
+            why.append(f"{b}: the answers differ between cold, native and pool, or came without log-probs (tokens "
+                       f"{[x['tokens'] for x in r['repeats']]}, log-prob diff {r['logprob_max_diff']})")
     return why
 
 
@@ -218,7 +275,9 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{r['pool_s']['median']:>9.3f}{r['pool_vs_native']['median']:>12.2f}x"
                      f"{r['cold_vs_pool']['median']:>10.1f}x")
         lines.append(f"pool/native range {r['pool_vs_native']['min']:.2f}-{r['pool_vs_native']['max']:.2f}x; "
-                     f"valid {r['valid']}; same answers {r['same_answers']} (logprob diff {r['logprob_max_diff']})")
+                     f"valid {r['valid']}; same answers {r['same_answers']} (log-prob diff: all three "
+                     f"{r['logprob_max_diff']}, pool vs native {r['pool_vs_native_logprob_diff']}); pool hit after "
+                     f"{r['pool_hit_after']}")
         sm = r["server_median"]
         lines.append("server-side medians (s): " + "; ".join(
             f"{c}: ttft {sm[c]['ttft']:.4f}, queue {sm[c]['queue']:.4f}, prefill {sm[c]['prefill']:.4f}"

@@ -94,7 +94,7 @@ class Server:
         self.port = free_port()
         kv_config = {**kv_transfer_config(**pool), "kv_connector": "TimedKVPoolConnector",
                      "kv_connector_module_path": __name__}
-        self.trace_path = os.path.join(workdir, f"trace-{pool['backend']}.jsonl")
+        self.trace_path = os.path.join(workdir, f"trace-{pool['backend']}-{self.port}.jsonl")  # one per server
         self.trace_offset = 0
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_RUN_DIR", "RAY_ADDRESS"))}
         env[TRACE_ENV] = self.trace_path
@@ -116,7 +116,7 @@ class Server:
                "--kv-transfer-config", json.dumps(kv_config)]
         if multiprocess:
             cmd[5:5] = ["--distributed-executor-backend", "mp"]
-        self.log_path = os.path.join(workdir, f"server-{pool['backend']}.log")
+        self.log_path = os.path.join(workdir, f"server-{pool['backend']}-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.conn: http.client.HTTPConnection | None = None
@@ -242,8 +242,10 @@ class Server:
         raise RuntimeError("vLLM did not reset its prefix cache")
 
     def close(self) -> None:
+        """Stops the server and its engine processes; closing again does nothing."""
         if self.conn is not None:
             self.conn.close()
+            self.conn = None
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the engine processes it started

@@ -112,18 +112,29 @@ class PoolWorker:
             if step.load is not None:
                 self._load(step.req_id, req, *step.load)
 
+    def _run_slots(self, req: _Req, a: int, b: int) -> torch.Tensor | range:
+        """The slots of tokens ``a..b-1``: a ``range`` when their blocks are consecutive (vLLM hands
+        a request ascending block ids from its free queue), else a tensor."""
+        bs = self.block_size
+        blocks = req.block_ids[a // bs : cdiv(b, bs)]
+        first = blocks[0]
+        if all(x == first + i for i, x in enumerate(blocks)):
+            start = first * bs + a % bs
+            return range(start, start + b - a)
+        return self._slots(req, a, b)
+
     def _load(self, req_id: str, req: _Req, lo: int, hi: int) -> None:
         c = self.chunk_tokens
         c0, c1 = lo // c, cdiv(hi, c)
         t0 = time.perf_counter()
         done = lo
         try:
-            slots = self._slots(req, lo, hi)
             with closing(self._chunks(req, c0, c1)) as chunks:
                 for j, chunk in chunks:
                     with chunk:  # released right after its copy, also when the copy fails
                         a, b, off = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
-                        self.copier.scatter(chunk.kv[:, :, a - off : b - off], slots[a - lo : b - lo])
+                        kv = chunk.kv if (a, b) == (off, off + c) else chunk.kv[:, :, a - off : b - off]
+                        self.copier.scatter(kv, self._run_slots(req, a, b))
                     done = b
         except Exception as e:  # noqa: BLE001 - any failure on the read path is a miss
             log.warning("KVPoolConnector: load of request %s failed after %d tokens (%s)", req_id, done, e)

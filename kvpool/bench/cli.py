@@ -4,13 +4,11 @@ that need Ray or an engine are imported when their command runs."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
-import os
 import sys
 
 from kvpool.errors import BadRequest
+from kvpool.jsonout import emit, json_command, json_stdout
 from kvpool.spec import STORAGE_FORMATS
 
 
@@ -18,7 +16,7 @@ def _bench_store(args: argparse.Namespace) -> int:
     from kvpool.bench import store
 
     result = store.run(chunks=args.chunks, trials=args.trials, progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else store.format_table(result))
+    _show(args, result, store.format_table)
     return 0
 
 
@@ -28,7 +26,7 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
     setup = concurrency.Setup(hbm_gib=args.hbm_gib, horizon_s=args.horizon)
     policies = None if args.policy == "all" else args.policy.split(",")
     result = concurrency.run(setup, policies, progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else concurrency.format_table(result))
+    _show(args, result, concurrency.format_table)
     return 0
 
 
@@ -36,7 +34,7 @@ def _bench_index(args: argparse.Namespace) -> int:
     from kvpool.bench import index
 
     result = index.run(args.redis, progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else index.format_table(result))
+    _show(args, result, index.format_table)
     return 0
 
 
@@ -49,13 +47,8 @@ def _bench_peers(args: argparse.Namespace) -> int:
         raise BadRequest(f"--peers: choose from {', '.join(peers.PEERS)}; --rounds, --ops256, --ops32: at least 1")
     kw = dict(rounds=args.rounds, peers=names, ops={"256KiB": args.ops256, "32MiB": args.ops32},
               redis_url=args.redis)
-    if args.json:
-        with _stdout_to_stderr():  # Mooncake's native code logs; --json prints only JSON
-            r = peers.run(**kw, progress=True)
-        print(json.dumps(r, indent=2))
-    else:
-        r = peers.run(**kw, progress=True)
-        print(peers.format_table(r))
+    r = peers.run(**kw, progress=True)
+    _show(args, r, peers.format_table)
     return 0 if peers.wrong_bytes(r) == 0 else 1
 
 
@@ -65,14 +58,14 @@ def _bench_datapath(args: argparse.Namespace) -> int:
 
         if args.rdt:
             result = datapath.probe_rdt()
-            print(json.dumps(result, indent=2))
+            emit(result)
             return 0
         if args.aggregate:
             rows = datapath.run_aggregate(max_nodes=args.nodes, progress=not args.json)
-            print(json.dumps(rows, indent=2) if args.json else datapath.format_aggregate(rows))
+            _show(args, rows, datapath.format_aggregate)
             return 0
         result = datapath.run(nodes=args.nodes, progress=not args.json)
-        print(json.dumps(result, indent=2) if args.json else datapath.format_table(result))
+        _show(args, result, datapath.format_table)
         return 0
     from kvpool.cluster import bench_node
 
@@ -83,13 +76,8 @@ def _bench_datapath(args: argparse.Namespace) -> int:
         raise BadRequest("--peers measures 32 MiB chunks: leave --large-mib at 32, or add --no-peers")
     kw = dict(rounds=args.rounds, ops={"small": args.ops256, "large": args.ops32}, large_mib=args.large_mib,
               peers=peers, redis_url=args.redis, dram_pages=args.dram_pages, progress=True)
-    if args.json:
-        with _stdout_to_stderr():  # Ray and Mooncake's native code log; --json prints only JSON
-            r = bench_node.run(**kw)
-        print(json.dumps(r, indent=2))
-    else:
-        r = bench_node.run(**kw)
-        print(bench_node.format_table(r))
+    r = bench_node.run(**kw)
+    _show(args, r, bench_node.format_table)
     why = bench_node.failures(r)
     for w in why:
         print(f"bench datapath: FAILED: {w}", file=sys.stderr)
@@ -100,7 +88,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from kvpool.cluster import soak
 
     r = soak.run(seconds=args.seconds, clients=args.clients, nodes=args.nodes, progress=not args.json)
-    print(json.dumps(r, indent=2) if args.json else soak.format_report(r))
+    _show(args, r, soak.format_report)
     return 0 if r["wrong_bytes"] == 0 else 1
 
 
@@ -112,13 +100,8 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     if unknown:
         raise BadRequest(f"--faults: unknown {unknown}; choose from {', '.join(chaos.FAULTS)}")
     kw = dict(faults=faults, runs=args.runs, seconds_per_fault=args.seconds_per_fault, clients=args.clients)
-    if args.json:
-        with _stdout_to_stderr():  # Ray and redis-server may print; --json prints only JSON
-            r = chaos.run(**kw, progress=True)
-        print(json.dumps(r, indent=2))
-    else:
-        r = chaos.run(**kw, progress=True)
-        print(chaos.format_table(r))
+    r = chaos.run(**kw, progress=True)
+    _show(args, r, chaos.format_table)
     return 0 if r["total"]["wrong_bytes"] == 0 and not r["hung_clients"] else 1
 
 
@@ -126,7 +109,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     from kvpool.bench import kernels
 
     result = kernels.run(device=args.device, context=args.context, progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else kernels.format_table(result))
+    _show(args, result, kernels.format_table)
     return 0
 
 
@@ -134,7 +117,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
     from kvpool.bench import capacity
 
     rows = capacity.run(args.mib, tuple(f for f in args.formats.split(",") if f), args.dtype, progress=not args.json)
-    print(json.dumps(rows, indent=2) if args.json else capacity.format_table(rows))
+    _show(args, rows, capacity.format_table)
     return 0
 
 
@@ -148,13 +131,8 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     except ValueError:
         raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
     kw = dict(backend=args.backend, repeats=args.repeats, compare_local=args.compare_local, model=args.model)
-    if args.json:
-        with _stdout_to_stderr():  # engines log to stdout; --json prints only JSON there
-            rows = bench_ttft.run(args.engine, contexts, progress=args.engine == "vllm-server" or real, **kw)
-        print(json.dumps(rows, indent=2))
-    else:
-        rows = bench_ttft.run(args.engine, contexts, progress=True, **kw)
-        print(bench_ttft.format_table(rows))
+    rows = bench_ttft.run(args.engine, contexts, progress=True, **kw)  # progress: on stderr
+    _show(args, rows, bench_ttft.format_table)
     if real:
         from kvpool.connectors import bench_ttft_real
 
@@ -170,26 +148,24 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 1 if why else 0
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """Sends everything written to stdout meanwhile (Python and native code alike) to stderr."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+_stdout_to_stderr = json_stdout  # the helper's former name here (tests/test_cli.py imports it)
+
+
+def _show(args: argparse.Namespace, result, table) -> None:
+    """The result as JSON on the real stdout (``--json``; the command runs under
+    :func:`kvpool.jsonout.json_command`, so anything else printed meanwhile goes to stderr), else
+    ``table(result)``."""
+    if args.json:
+        emit(result)
+    else:
+        print(table(result))
 
 
 def _bench_auth(args: argparse.Namespace) -> int:
     from kvpool.bench import auth
 
     result = auth.run(calls=args.calls, progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else auth.format_table(result))
+    _show(args, result, auth.format_table)
     return 0
 
 
@@ -200,7 +176,7 @@ def _bench_weights(args: argparse.Namespace) -> int:
         result = bench_weights.run(args.size_gib, args.rounds, args.dir, progress=not args.json)
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    print(json.dumps(result, indent=2) if args.json else bench_weights.format_table(result))
+    _show(args, result, bench_weights.format_table)
     return 0
 
 
@@ -210,7 +186,7 @@ def _bench_importance(args: argparse.Namespace) -> int:
     result = bench_importance.run(model_name=args.model, docs=args.docs, hot=args.hot, doc_tokens=args.doc_tokens,
                                   capacity=args.capacity, requests=args.requests, seeds=args.seeds,
                                   progress=not args.json)
-    print(json.dumps(result, indent=2) if args.json else bench_importance.format_table(result))
+    _show(args, result, bench_importance.format_table)
     return 0
 
 
@@ -218,7 +194,7 @@ def _bench_sliding(args: argparse.Namespace) -> int:
     from kvpool.connectors import bench_sliding
 
     rows = bench_sliding.run(args.context, args.rounds, progress=not args.json)
-    print(json.dumps(rows, indent=2) if args.json else bench_sliding.format_table(rows))
+    _show(args, rows, bench_sliding.format_table)
     return 0
 
 
@@ -238,13 +214,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
              "threads": args.threads}
     settings = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None},
                                    methods=names(args.methods))
-    if args.json:
-        with _stdout_to_stderr():  # transformers may print; --json prints only JSON
-            result = bq.run(settings, progress=True)
-        print(json.dumps(result, indent=2))
-    else:
-        result = bq.run(settings, progress=True)
-        print(bq.format_table(result))
+    result = bq.run(settings, progress=True)
+    _show(args, result, bq.format_table)
     if args.plot:
         print(f"bench quality: plot written to {bq.plot(result, args.plot)}", file=sys.stderr)
     return 0
@@ -334,7 +305,8 @@ def add_bench_parser(sub) -> None:
     bt.add_argument("--backend", choices=["local", "node"], default=None,
                     help="the pool: local (in-process) or node (a pool started outside the engine, reached "
                     "through the node's shard); default: node for vllm-server, local otherwise")
-    bt.add_argument("--repeats", type=int, default=None, help="vllm-server: fresh prompts measured (default 5)")
+    bt.add_argument("--repeats", type=int, default=None, help="vllm and vllm-server: repetitions of each case, medians "
+                    "and ranges (default 5; vllm: 1 above 4K tokens)")
     bt.add_argument("--compare-local", action=argparse.BooleanOptionalAction, default=True,
                     help="vllm-server with --backend node: also the in-process pool, in the same run")
     bt.add_argument("--json", action="store_true")
@@ -384,3 +356,5 @@ def add_bench_parser(sub) -> None:
                     help="write the plot (PNG) there (default docs/quality.png)")
     bq.add_argument("--json", action="store_true")
     bq.set_defaults(func=_bench_quality)
+    for p in bsub.choices.values():  # --json prints only JSON on stdout: engines, Ray, native code log to stderr
+        p.set_defaults(func=json_command(p.get_default("func")))
