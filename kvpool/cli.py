@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -12,6 +11,7 @@ from kvpool.bench.cli import add_bench_parser
 from kvpool.cli_up import RAY_ADDRESS_HELP, add_up_parser
 from kvpool.connect_cli import add_connect_parser
 from kvpool.errors import BadRequest, KvPoolError
+from kvpool.jsonout import emit, json_stdout
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     result = demo.run(args.model, args.tenants, args.conversations, args.turns, max_new_tokens=args.max_new_tokens,
                       progress=not args.json, backend=args.backend, ray_address=args.ray_address, redis=args.redis)
-    print(json.dumps(result, indent=2) if args.json else demo.format_report(result))
+    emit(result) if args.json else print(demo.format_report(result))
     return 0 if result["ok"] else 1  # an answer that changed with the pool fails the demo
 
 
@@ -32,7 +32,7 @@ def _sim(args: argparse.Namespace) -> int:
     rows = run.simulate(reqs, source, policies, caps, progress=not args.json, with_belady=not args.no_belady)
     if args.plot:
         run.plot(rows, args.plot)
-    print(json.dumps(rows, indent=2) if args.json else run.format_table(rows))
+    emit(rows) if args.json else print(run.format_table(rows))
     if args.plot and not args.json:
         print(f"plot: {args.plot}")
     return 0
@@ -79,7 +79,7 @@ def _tenants(args: argparse.Namespace) -> int:
             raise SystemExit("usage: kvpool tenants list [--json]")
         rows = idx.tenants()
         if args.json:
-            print(json.dumps([{"tenant": t.id, "usage": t.usage, "quota": t.quota, "priority": t.priority} for t in rows]))
+            emit([{"tenant": t.id, "usage": t.usage, "quota": t.quota, "priority": t.priority} for t in rows], indent=None)
         else:
             print(f"{'tenant':<24}{'usage B':>16}{'quota B':>22}{'used':>8}  priority")
             for t in rows:
@@ -159,7 +159,7 @@ def _stats(args: argparse.Namespace) -> int:
     from kvpool.cluster import ops
 
     st = ops.cmd_stats(args.ray_address)
-    print(json.dumps(st, indent=2, default=str) if args.json else ops.format_stats(st))
+    emit(st, default=str) if args.json else print(ops.format_stats(st))
     if not st["healthy"]:
         return 1  # NOTE: monitors and readiness probes read the exit code
     return 0
@@ -170,7 +170,7 @@ def _warmup(args: argparse.Namespace) -> int:
 
     r = warmup.run(args.file, args.model, model_id=args.model_id, chunk_tokens=args.chunk_tokens,
                    ray_address=args.ray_address, redis=args.redis, pin=not args.no_pin, progress=not args.json)
-    print(json.dumps(r) if args.json else
+    emit(r, indent=None) if args.json else print(
           f"warm-up: {r['prefixes']} prefixes, {r['stored_chunks']} chunks stored, {r['pinned_chunks']} pinned"
           + (f", {r['skipped']} shorter than a chunk" if r["skipped"] else ""))
     return 0
@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with json_stdout(bool(getattr(args, "json", False))):  # --json: only JSON on stdout (logs go to stderr)
+            return args.func(args)
     except KvPoolError as e:
         print(f"kvpool: {e}", file=sys.stderr)
         return 2
