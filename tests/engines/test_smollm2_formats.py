@@ -72,13 +72,15 @@ QUESTIONS = ["What is the capital of France?", "Name the three primary colors.",
 
 
 def hf_greedy(model, tokens, n):
-    """transformers' greedy tokens, each step recomputing the whole sequence (no cache API involved)."""
-    ids, out = list(tokens), []
+    """transformers' greedy tokens (argmax every step, never stopping at EOS, as vLLM's
+    ignore_eos), with transformers' own cache: no kvpool involved."""
+    out, past, step = [], None, torch.tensor([list(tokens)])
     with torch.no_grad():
         for _ in range(n):
-            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            r = model(input_ids=step, past_key_values=past, use_cache=True)
+            past, nxt = r.past_key_values, int(r.logits[0, -1].argmax())
             out.append(nxt)
-            ids.append(nxt)
+            step = torch.tensor([[nxt]])
     return out
 
 
