@@ -65,8 +65,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP) $(ESTAMP) lint
-	$(BIN)/python -m pytest -q tests --ignore=tests/engines
-	$(EBIN)/python -m pytest -q tests/engines
+	$(BIN)/python -m pytest -q --durations=25 tests --ignore=tests/engines
+	$(EBIN)/python -m pytest -q --durations=25 tests/engines
 
 clean:
 	rm -rf $(VENV) $(ENGINES) build *.egg-info
