@@ -173,6 +173,30 @@ class ClusterPool(KeyedPool):
         for kv in self.load(tenant, keys[i:]):  # the rest from other nodes (or nowhere): one call
             yield OwnedChunk(kv)
 
+    def load_views_in_place(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator:
+        """:meth:`load_views` for a caller that copies each chunk out and can take a chunk back
+        after (the vLLM worker): over a node's shard, this node's chunks are views of its slab
+        itself, no copy, verified when released (kvpool.node.inplace): a release that raises
+        ChunkChanged means what the caller copied from that view is not the chunk (a failed load).
+        Chunks of other nodes, sealed chunks and other clients: :meth:`load_views`."""
+        self._check_tenant(tenant)
+        keys = as_keys(keys)
+        if self._sealer(tenant, keys) is None and getattr(self.client, "reads_in_place", False):
+            return self._in_place_views(tenant, keys)
+        return self.load_views(tenant, keys)
+
+    def _in_place_views(self, tenant: str, keys: list[ChunkKey]) -> Iterator:
+        from kvpool.node.inplace import local_views
+
+        codec = self._formats.codec(self._format(tenant, is_shared(keys)))
+        n = 0
+        for view in local_views(self.client, tenant, keys, codec.decode):
+            yield view  # the caller releases (verifies) it before asking for the next
+            n += 1
+        if n < len(keys):
+            for kv in self.load(tenant, keys[n:]):  # the rest from other nodes (or nowhere): one call
+                yield OwnedChunk(kv)
+
     def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence[torch.Tensor], *, start: int = 0,
              shared: bool = False, request=None) -> int:
         """Stores the chunks of ``keys[start:]``; with ``request`` they stay leased until it ends.

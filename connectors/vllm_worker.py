@@ -166,13 +166,15 @@ class PoolWorker:
         of new pages per 4K load of the bench model: 16K minor page faults, 36 ms, where the
         in-place read takes 2.4 ms with none). In one engine whose allocator had warmed up
         (medians of 15 warm loads): pool read 6.6 -> 2.9 ms, whole load 18.7 -> 15.3 ms.
-        A Ray pool's views own the bytes that came over the network.
+        A Ray pool's views own the bytes that came over the network. A node's shard gives views of
+        its slab (``load_views_in_place``), verified when released, after the scatter: a release
+        that raises makes the chunk's blocks failed (``_load``), as a miss does.
         NOTE: reading chunk j+1 in a helper thread while chunk j is scattered was slower (load
         16.3 ms against 14.8 ms, same run): xxhash holds the GIL, torch's copy already uses both
         cores, and the hand-offs cost more than the 2-3 ms of verification they would hide."""
         keys = req.keys[c0:c1]
         t0 = time.perf_counter()
-        views = self.pool.load_views(req.tenant, keys)
+        views = getattr(self.pool, "load_views_in_place", self.pool.load_views)(req.tenant, keys)
         pool_s = 0.0
         try:
             for j in range(len(keys)):
@@ -180,7 +182,8 @@ class PoolWorker:
                 pool_s += time.perf_counter() - t0
                 if view is None:
                     return
-                yield j, view  # the caller releases it (``with``)
+                yield j, view  # the caller releases it (``with``): an in-place view is verified then
+                pool_s += getattr(view, "verify_s", 0.0)
                 t0 = time.perf_counter()
         finally:
             views.close()
