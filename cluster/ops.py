@@ -15,6 +15,7 @@ from kvpool.cluster.bootstrap import down, up  # noqa: E402
 from kvpool.cluster.controller import CONTROLLER  # noqa: E402
 from kvpool.cluster.shard import shard_name  # noqa: E402
 from kvpool.health import figures_from_stats  # noqa: E402
+from kvpool.procs import processes_naming  # noqa: E402
 
 NAMESPACE = "kvpool"
 RAY_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")  # Ray's default token file
@@ -208,15 +209,7 @@ def _session_processes(session: str) -> list[int]:
     process of a Ray head names its session directory on its command line."""
     if not session or not session.startswith("/"):
         return []
-    mine = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if session.encode() in f.read():
-                    mine.append(int(pid))
-        except OSError:
-            continue
-    return mine
+    return processes_naming(session)
 
 
 def _recorded_head() -> str | None:

@@ -45,6 +45,8 @@ import time
 import urllib.request
 from typing import Any, Optional
 
+from kvpool.procs import processes_naming
+
 PAGE = 64  # tokens per SGLang page = per kvpool chunk
 PROMPT_TOKENS = 1024  # 16 pages: well past SGLang's storage prefetch threshold (256 tokens)
 NEW_TOKENS = 8
@@ -243,19 +245,6 @@ class Server:
             except ProcessLookupError:
                 pass
         self._out.close()
-
-
-def processes_naming(text: str) -> list[int]:
-    """The processes whose command line contains ``text`` (this check's Ray head: its temp dir)."""
-    found = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def pool_chunks(plan: dict, env: dict) -> int:

@@ -23,24 +23,32 @@ def default_path(env: dict | None = None) -> str:
     return env.get(auth.SECRET_FILE_ENV) or os.path.expanduser(DEFAULT_FILE)
 
 
+def write_private(path: str, text: str, what: str, flag: str) -> str:
+    """Writes ``text`` to ``path`` atomically (a reader never sees half of it), mode 0600, its folder
+    0700 when made here; its absolute path. A failure is a BadRequest naming ``flag``."""
+    path = os.path.abspath(os.path.expanduser(path))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise BadRequest(f"cannot write {what} to {path} ({e.strerror}): pass {flag} with a path you can "
+                         "write") from None
+    return path
+
+
 def write_secret(path: str, force: bool = False) -> str:
     """Writes a new pool secret to ``path`` (mode 0600, its folder 0700 when made here)."""
     path = os.path.expanduser(path)
     if os.path.exists(path) and not force:
         raise BadRequest(f"{path} already holds a pool secret: keep it, or pass --force to replace it "
                          "(every credential issued from the old one stops verifying)")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(auth.new_secret() + "\n")
-        os.replace(tmp, path)  # NOTE: atomic: a reader never sees half a secret
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise BadRequest(f"cannot write a pool secret to {path} ({e.strerror}): pass --secret-file with a "
-                         "path you can write") from None
+    write_private(path, auth.new_secret() + "\n", "a pool secret", "--secret-file")
     return path
 
 

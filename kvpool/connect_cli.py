@@ -26,20 +26,9 @@ ENGINES = ("vllm", "sglang")
 
 def write_credentials(path: str, credentials: dict[str, str]) -> str:
     """Writes ``{tenant: credential}`` to ``path`` (mode 0600, atomically); its absolute path."""
-    path = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(credentials, f)
-        os.replace(tmp, path)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise BadRequest(f"cannot write the engine's credentials to {path} ({e.strerror}): pass --credentials-file "
-                         "with a path you can write") from None
-    return path
+    from kvpool.auth_cli import write_private
+
+    return write_private(path, json.dumps(credentials), "the engine's credentials", "--credentials-file")
 
 
 def pool_config(tenants: list[str], chunk_tokens: int, credentials_file: str, pool: str = "default",
