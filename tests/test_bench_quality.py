@@ -79,11 +79,11 @@ def test_passages_are_the_reference_manuals_own_text(smol):
     assert tok.decode(ids[:40]) in quality_text.topics()["execmodel"]
 
 
-def test_cli_prints_only_json_and_writes_the_plot(smol, tmp_path, capsys):
+def test_cli_prints_only_json_and_writes_the_plot(smol, tmp_path, capfd):
     png = tmp_path / "q.png"
     assert main(["bench", "quality", "--quick", "--formats", "int8", "--methods", "none", "--json",
                  "--plot", str(png)]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capfd.readouterr().out)
     assert [r["method"] for r in out["rows"]] == ["raw", "int8"] and out["settings"]["methods"] == []
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

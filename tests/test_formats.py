@@ -345,20 +345,20 @@ def test_smollm2_answers_from_int4_kv_as_from_its_own(smol):
 # --------------------------------------------------------------------------- capacity
 
 
-def test_bench_capacity_fills_a_pool_per_format_and_prints_only_json(capsys):
+def test_bench_capacity_fills_a_pool_per_format_and_prints_only_json(capfd):
     import json
 
     from kvpool.cli import main
 
     assert main(["bench", "capacity", "--mib", "24", "--formats", "raw,int4-kivi,int2-kivi", "--json"]) == 0
-    rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)}
+    rows = {r["format"]: r for r in json.loads(capfd.readouterr().out)}
     for fmt, r in rows.items():
         spec = KVSpec(**SMOL, dtype="float32", storage_format=fmt)
         assert r["page_bytes"] == stored_nbytes(spec)
         assert r["chunks_held"] == (24 << 20) // r["page_bytes"]  # every page held a chunk before an eviction
     assert rows["raw"]["chunks_held"] * 6 <= rows["int4-kivi"]["chunks_held"] < rows["int2-kivi"]["chunks_held"]
     assert main(["bench", "capacity", "--formats", "int4"]) != 0
-    assert "--formats: choose from raw, fp8" in capsys.readouterr().err
+    assert "--formats: choose from raw, fp8" in capfd.readouterr().err
 
 
 def test_a_sealed_tenant_in_a_lossy_format_seals_the_quantized_payload():

@@ -97,12 +97,12 @@ def test_the_connector_reports_attention_only_to_an_importance_pool(model):
         close_local_pools()
 
 
-def test_bench_importance_prints_only_json(capsys):
+def test_bench_importance_prints_only_json(capfd):
     from kvpool.cli import main
 
     rc = main(["bench", "importance", "--model", "tiny", "--docs", "4", "--hot", "1", "--doc-tokens", "64",
                "--capacity", "6", "--requests", "30", "--seeds", "2", "--json"])
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capfd.readouterr().out)
     assert rc == 0 and [(r["policy"], r["attention"]) for r in out["rows"]] == [
         ("lru", False), ("adaptive", False), ("importance", False), ("importance", True)]
     for r in out["rows"]:
