@@ -32,6 +32,20 @@ def bench_model():
     return tiny_llama(0, layers=8, hidden=512, heads=8, kv_heads=4, vocab=4096)
 
 
+def issue_qwen2():
+    """A random-weight Qwen2 in the shape issue 19 measured vLLM's server with: 5 layers, hidden
+    768, 12 heads over 3 KV heads (head dim 64: 7.5 KiB of fp32 KV per token, against the
+    benchmark Llama's 16 KiB). The issue gave no MLP width or vocabulary: 4 x hidden, and the
+    benchmark's 4,096 tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=4096, hidden_size=768, intermediate_size=4 * 768, num_hidden_layers=5,
+                      num_attention_heads=12, num_key_value_heads=3, max_position_embeddings=32768,
+                      initializer_range=0.2, tie_word_embeddings=False, use_sliding_window=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
 def _random_prompts(contexts: list[int]) -> list[torch.Tensor]:
     return [torch.randint(0, 4096, (1, ctx), generator=torch.Generator().manual_seed(i))
             for i, ctx in enumerate(contexts)]
@@ -159,8 +173,10 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | Non
 
 def run(engine: str, contexts: list[int], progress: bool = True, backend: str | None = None,
         repeats: int | None = None, compare_local: bool = True, model: str = "random") -> list[dict] | dict:
-    if model not in ("random", "smollm2"):
-        raise BadRequest(f"--model {model!r}: choose random (the random-weight benchmark Llama) or smollm2")
+    if model not in ("random", "smollm2", "qwen2"):
+        raise BadRequest(f"--model {model!r}: choose random (the random-weight benchmark Llama), qwen2 or smollm2")
+    if model == "qwen2" and engine != "vllm-server":
+        raise BadRequest("--model qwen2 (issue 19's shape) is measured with --engine vllm-server only")
     if engine == "hf":
         if backend not in (None, "local", "node"):
             raise BadRequest(f"--backend {backend!r}: the transformers benchmark runs local or node")
@@ -183,7 +199,8 @@ def run(engine: str, contexts: list[int], progress: bool = True, backend: str | 
         if backend not in ("node", "local"):
             raise BadRequest(f"--backend {backend!r}: the server benchmark runs node or local")
         backends = (backend, "local") if backend == "node" and compare_local else (backend,)
-        return vllm_server_bench.run(contexts[0], repeats or 5, backends, progress=progress)
+        return vllm_server_bench.run(contexts[0], repeats or 5, backends, progress=progress,
+                                     model="qwen2" if model == "qwen2" else "random")
     if backend not in (None, "local"):
         raise BadRequest(f"--backend {backend!r}: --engine vllm runs its in-process pool (local) only")
     if engine == "vllm":

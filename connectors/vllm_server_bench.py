@@ -156,9 +156,12 @@ def summarize(rows: list[dict], whole: int) -> dict[str, Any]:
 
 
 def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("node", "local"), *,
-        tiny: bool = False, progress: bool = True, seed: int = 0) -> dict[str, Any]:
+        tiny: bool = False, progress: bool = True, seed: int = 0, model: str = "random") -> dict[str, Any]:
     """One server per backend, one after the other (never two at once on a small machine); see the
-    module docstring. ``tiny``: the engine tests' 2-layer Llama instead of the benchmark model."""
+    module docstring. ``model``: ``random``, the benchmark Llama (16 KiB of KV per token), or
+    ``qwen2``, issue 19's Qwen2 shape (7.5 KiB); ``tiny``: the engine tests' 2-layer Llama."""
+    if model not in ("random", "qwen2"):
+        raise BadRequest(f"model {model!r}: the server benchmark runs 'random' or 'qwen2'")
     for b in backends:
         if b not in ("node", "local"):
             raise BadRequest(f"backend {b!r}: the server benchmark runs 'node' or 'local'")
@@ -171,7 +174,7 @@ def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("nod
                                           "the restarted server B after one warm-up of both paths",
                               "backends": {}}
     with terminated_as_interrupt():
-        return _run(result, context, repeats, backends, tiny, progress, seed)
+        return _run(result, context, repeats, backends, tiny, progress, seed, model)
 
 
 def _start(model_dir: str, config: dict, context: int, workdir: str, backend: str, to_close: list, starts: list,
@@ -187,16 +190,16 @@ def _start(model_dir: str, config: dict, context: int, workdir: str, backend: st
 
 
 def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str, ...], tiny: bool, progress: bool,
-         seed: int) -> dict[str, Any]:
+         seed: int, model_name: str = "random") -> dict[str, Any]:
     import torch
 
-    from kvpool.connectors.bench_ttft import bench_model
+    from kvpool.connectors.bench_ttft import bench_model, issue_qwen2
 
     workdir = tempfile.mkdtemp(prefix="kvpool-ttft-server-")
     to_close: list = []
     try:
         model_dir = os.path.join(workdir, "model")
-        model = bench_model()
+        model = issue_qwen2() if model_name == "qwen2" else bench_model()
         if tiny:
             from kvpool.connectors.hf import tiny_llama
 
@@ -207,7 +210,8 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         chunk_bytes = cfg.num_hidden_layers * 2 * CHUNK_TOKENS * cfg.num_key_value_heads * head_dim * 4
         chunks = (repeats + 2) * -(-context // CHUNK_TOKENS) + 8
-        result["model"] = {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+        result["model"] = {"name": "tiny" if tiny else model_name, "arch": type(model).__name__,
+                           "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
                            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                            "head_dim": head_dim, "vocab": vocab, "dtype": "float32", "chunk_bytes": chunk_bytes}
         del model

@@ -296,8 +296,9 @@ def add_bench_parser(sub) -> None:
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
                     help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
-    bt.add_argument("--model", choices=["random", "smollm2"], default="random",
-                    help="random: a random-weight Llama (exactness); smollm2: the real SmolLM2-135M-Instruct on "
+    bt.add_argument("--model", choices=["random", "qwen2", "smollm2"], default="random",
+                    help="random: a random-weight Llama (exactness); qwen2 (vllm-server): a random-weight Qwen2 "
+                    "in issue 19's shape (5 layers, hidden 768, 12 heads over 3 KV heads); smollm2: the real SmolLM2-135M-Instruct on "
                     "real English prompts, its answers with and without the pool compared")
     bt.add_argument("--context", default=None, help="prompt lengths in tokens, comma-separated (default "
                     "1024,4096,16384; vllm-server: one, default 4096; smollm2: 1024,4096,8192, the last measured "
