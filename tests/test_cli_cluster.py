@@ -238,6 +238,10 @@ def test_only_the_recorded_head_that_still_runs_is_joined(tmp_path, monkeypatch)
         assert ops._recorded_head() is None  # the port answers, but no process of our session runs
         ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--session-dir={session}"])
         try:
+            # NOTE: until the child has exec'd, /proc shows the parent's command line, not the session
+            deadline = time.monotonic() + 10
+            while ops._recorded_head() != address and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert ops._recorded_head() == address
         finally:
             ours.kill()
