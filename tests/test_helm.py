@@ -510,6 +510,23 @@ def _run_scripts(data: dict, tmp_path: Path, scripts: list[str]) -> list[list[st
     return [[Path(c[0]).name, *c[1:]] for c in calls]
 
 
+def test_tiers_sized_in_mib_become_whole_pages():
+    """pool.dramMiB and pool.disk.sizeMiB instead of page counts: as many whole pages as fit, in
+    the shards' config, `kvpool up`'s arguments, the memory checks and the disk volume."""
+    docs = render("default", ("--set", "pool.pageMiB=48,pool.dramMiB=1000,pool.disk.enabled=true,"
+                              "pool.disk.sizeMiB=10000,pool.disk.hostPath="))
+    cfg = json.loads(_config(docs)["pool.json"])
+    assert cfg["store"]["page_bytes"] == 48 << 20
+    assert cfg["store"]["dram_pages"] == 20 and cfg["store"]["disk_pages"] == 208  # 1000 // 48, 10000 // 48
+    up = " ".join(str(v) for v in _config(docs).values())
+    assert "--dram-pages 20" in up and "--disk-pages 208" in up
+    text = yaml.safe_dump_all(docs)
+    assert "sizeLimit: 9984Mi" in text  # the disk emptyDir: 208 pages of 48 MiB
+    # without the MiB values, the page counts as before
+    cfg = json.loads(_config(render("default", ("--set", "pool.pageMiB=48")))["pool.json"])
+    assert cfg["store"]["dram_pages"] == values_of("default")["pool"]["dramPages"]
+
+
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_up_script_runs_the_real_cli(value_set, tmp_path):
     """The Job's script calls `kvpool up` (and tenants, warmup) with flags the CLI really has."""
@@ -792,6 +809,9 @@ BAD_VALUES = [
      ", ".join(f'"{p}"' for p in POLICIES)),
     (("--set", "pool.pageMiB=32MB"), "pool.pageMiB: Invalid type. Expected: integer, given: string"),
     (("--set", "pool.dramPages=0"), "pool.dramPages: Must be greater than or equal to 1"),
+    (("--set", "pool.dramMiB=0"), "pool.dramMiB: Must be greater than or equal to 1"),
+    (("--set", "pool.dramMiB=16"), "pool.dramMiB 16 holds no page of pool.pageMiB 32 MiB: raise pool.dramMiB to 32"),
+    (("--set", "pool.disk.enabled=true,pool.disk.sizeMiB=8"), "pool.disk.sizeMiB 8 holds no page of pool.pageMiB 32"),
     (("--set", "head.resources.limits.memory=lots"), "head.resources.limits.memory: Does not match pattern"),
     (("--set", "redis.persistence.size=big"), "redis.persistence.size: Does not match pattern"),
     (("--set", "pool.tenants[0].id=a b,pool.tenants[0].quota=10 gigs"), "pool.tenants.0.quota: Does not match pattern"),

@@ -197,7 +197,35 @@ authOptions, so an operator without authOptions still gets it) and KVPOOL_SECRET
 
 {{/* Sizes, MiB. */}}
 {{- define "kvpool.slabMiB" -}}
-{{- mul (int .Values.pool.pageMiB) (int .Values.pool.dramPages) }}
+{{- mul (int .Values.pool.pageMiB) (include "kvpool.dramPages" . | int) }}
+{{- end }}
+
+{{/* DRAM pages per shard: pool.dramMiB / pool.pageMiB when the size is given in MiB, else pool.dramPages. */}}
+{{- define "kvpool.dramPages" -}}
+{{- $p := .Values.pool }}
+{{- if $p.dramMiB }}
+{{- $n := div (int64 $p.dramMiB) (int64 $p.pageMiB) }}
+{{- if lt $n 1 }}
+{{- fail (printf "pool.dramMiB %d holds no page of pool.pageMiB %d MiB: raise pool.dramMiB to %d or more, or lower pool.pageMiB" (int $p.dramMiB) (int $p.pageMiB) (int $p.pageMiB)) }}
+{{- end }}
+{{- $n }}
+{{- else }}
+{{- int $p.dramPages }}
+{{- end }}
+{{- end }}
+
+{{/* Disk pages per shard: pool.disk.sizeMiB / pool.pageMiB when given, else pool.disk.pages. */}}
+{{- define "kvpool.diskPages" -}}
+{{- $p := .Values.pool }}
+{{- if $p.disk.sizeMiB }}
+{{- $n := div (int64 $p.disk.sizeMiB) (int64 $p.pageMiB) }}
+{{- if lt $n 1 }}
+{{- fail (printf "pool.disk.sizeMiB %d holds no page of pool.pageMiB %d MiB: raise pool.disk.sizeMiB to %d or more" (int $p.disk.sizeMiB) (int $p.pageMiB) (int $p.pageMiB)) }}
+{{- end }}
+{{- $n }}
+{{- else }}
+{{- int $p.disk.pages }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -315,7 +343,7 @@ Checks across values that the JSON schema cannot express; each failure names the
     type: DirectoryOrCreate
 {{- else }}
   emptyDir:
-    sizeLimit: {{ printf "%dMi" (mul (int $root.Values.pool.pageMiB) (int $root.Values.pool.disk.pages)) }}
+    sizeLimit: {{ printf "%dMi" (mul (int $root.Values.pool.pageMiB) (include "kvpool.diskPages" $root | int)) }}
 {{- end }}
 {{- end }}
 {{- end }}
