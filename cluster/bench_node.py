@@ -55,18 +55,10 @@ minimum)::
      "targets": [{"name": ..., "ratio": "<a key of ratios>", "bound": "<= 2" | ">= 0.8", "range": [lo, hi],
                   "worst": x, "met": true}, ...]}
 
-Ratios are computed per round, from the two figures of that round: latency ratios are
-kvpool/peer ms (lower is better), throughput ratios kvpool/peer GB/s medians (higher is better);
-``32MiB put kvpool/memcpy`` and ``32MiB get_same kvpool/memcpy`` divide by the memcpy of kvpool's
-writer process in the same round (``32MiB copy_checksum/memcpy``: the verified copy's). A target is met when its worst round meets it. ``node_op_s``:
-seconds each node-server operation handler ran during the measured rounds, per shard, with the
-calls this benchmark made. ``breakdown_ms``: where a call's time goes, per size over all rounds
-(warm-up included): each socket call as the engine timed it (``call OP``), the engine's copy into
-the slab (``client_copy``), and the shard's handler of it (``shard OP``, from ``node_op_s`` between
-the sizes), in ms per call; the reader's ``call lookup`` are its untimed waits for the index.
+Ratios, targets and the table: :mod:`kvpool.cluster.bench_node_report`.
 
-This module imports Ray only in the parent (in :func:`run`); ``python -m kvpool.cluster.bench_node
---worker`` (the engine side) never does.
+This module imports Ray only in :func:`run`; the engine side, ``python -m
+kvpool.cluster.bench_node_worker``, never does.
 """
 
 from __future__ import annotations
@@ -81,28 +73,25 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
+from kvpool.bench import peer_procs as W
 from kvpool.bench import peers as P
+from kvpool.cluster.bench_node_report import (  # noqa: F401 - failures and format_table: this module's API
+    OPS,
+    RTT_CALLS,
+    SMALL,
+    _merge_peer_runs,
+    _merge_rounds,
+    _round_ratios,
+    _targets,
+    failures,
+    format_table,
+)
+from kvpool.cluster.bench_node_worker import FILLER_BYTES, TENANT
 
 NS = "kvpool-bench-node"
-TENANT = "bench"
-SMALL = "256KiB"
 DEFAULT_OPS = {"small": 200, "large": 8}
 DEFAULT_WARMUP = {"small": 5, "large": 1}
 DEFAULT_DRAM_PAGES = 32  # x (32 MiB + 4 KiB) = ~1 GiB per node's slab
-FILLER_BYTES = 4096
-RTT_CALLS = 200  # per worker and round: the node socket's round trip (``hello``)
-OPS = ("put", "get_same", "get_cross")
-TARGETS = (  # (name, ratio, "<=" or ">=", bound)
-    ("256 KiB p50 same-node get within 2x of Mooncake's", "256KiB p50 get_same kvpool/mooncake", "<=", 2.0),
-    ("256 KiB p50 put within 2x of Mooncake's", "256KiB p50 put kvpool/mooncake", "<=", 2.0),
-    ("256 KiB p50 cross-node get within 2x of Mooncake's cross-process get",
-     "256KiB p50 get_cross kvpool/mooncake", "<=", 2.0),
-    ("32 MiB same-node get >= 0.8x memcpy", "32MiB get_same kvpool/memcpy", ">=", 0.8),
-    ("32 MiB put >= 0.8x memcpy", "32MiB put kvpool/memcpy", ">=", 0.8),
-    ("32 MiB cross-node get >= 1.0x Mooncake's cross-process get", "32MiB get_cross kvpool/mooncake", ">=", 1.0),
-)
 
 
 def sizes_for(large_mib: int = 32) -> dict:
@@ -114,198 +103,10 @@ def _say(progress: bool, text: str) -> None:
         print(f"bench datapath: {text}", file=sys.stderr, flush=True)
 
 
-# --- the engine side: a worker process without Ray ---------------------------------------------
+# --- the engine's worker process (kvpool.cluster.bench_node_worker), as the parent sees it ---------
 
-class _Engine:
-    """One NodeClient of one shard, a source buffer and preallocated ``outs`` buffers."""
-
-    def __init__(self, cfg: dict) -> None:
-        from kvpool.node.client import NodeClient
-
-        self.sizes = cfg["sizes"]
-        self.client = NodeClient(pool="default", shard=cfg["shard"], directory=cfg["run_dir"],
-                                 timeout_s=cfg.get("timeout_s", 10.0))
-        if self.client._at is None:
-            raise RuntimeError(f"shard {cfg['shard']} does not answer in {cfg['run_dir']}")
-        self.phase: dict[str, list] = {}
-        self._instrument()
-        n = max(self.sizes.values())
-        self.src = np.zeros(n, dtype=np.uint8)
-        self.outs = {name: np.zeros(size, dtype=np.uint8) for name, size in self.sizes.items()}
-
-    def _instrument(self) -> None:
-        """Where a call's time goes, seen from the engine: each socket call (by operation) and the
-        client's own copy into the slab (``client_copy``); a perf_counter pair each, ~1 us."""
-        from kvpool.node import client as mod
-
-        phase, clock = self.phase, time.perf_counter
-
-        def timed(name, fn):
-            def wrapper(*a, **kw):
-                t0 = clock()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    acc = phase.setdefault(name(a), [0, 0.0])
-                    acc[0] += 1
-                    acc[1] += clock() - t0
-            return wrapper
-
-        self.client._call = timed(lambda a: f"call {a[0]}", self.client._call)
-        if hasattr(mod, "copy_with_checksum"):
-            mod.copy_with_checksum = timed(lambda a: "client_copy", mod.copy_with_checksum)
-
-    def phases(self) -> dict:
-        out = {k: list(v) for k, v in self.phase.items()}
-        self.phase.clear()
-        return {"phases": out}
-
-    @staticmethod
-    def _key(hexkey: str):
-        from kvpool.keys import ChunkKey
-
-        return ChunkKey(bytes.fromhex(hexkey))
-
-    def put(self, key: str, size: int, seed: int) -> dict:
-        self.src[:size] = P.byte_pattern(size, seed)
-        k = self._key(key)
-        data = self.src[:size]
-        t0 = time.perf_counter()
-        n = self.client.put(TENANT, [k], [data])
-        t = time.perf_counter() - t0
-        return {"s": t, "stored": n}
-
-    def get(self, key: str, name: str, seed: int, outs_first: bool, wait_s: float = 0.0) -> dict:
-        size = self.sizes[name]
-        k = self._key(key)
-        waited = 0.0
-        if wait_s:  # untimed: the index lists the chunk (published just after the commit)
-            t0 = time.monotonic()
-            while self.client.lookup(TENANT, [k]).count < 1 and time.monotonic() - t0 < wait_s:
-                time.sleep(0.0005)
-            waited = time.monotonic() - t0
-        out = self.outs[name]
-        res = {"waited_s": waited, "wrong": 0, "missing": 0}
-        before = dict(self.client.counts)
-        for with_outs in ((True, False) if outs_first else (False, True)):
-            if with_outs:
-                out[:] = 0
-                t0 = time.perf_counter()
-                got = self.client.get(TENANT, [k], outs=[out])
-                t = time.perf_counter() - t0
-            else:
-                t0 = time.perf_counter()
-                got = self.client.get(TENANT, [k])
-                t = time.perf_counter() - t0
-            if len(got) != 1:
-                res["missing"] += 1
-                res["wrong"] += size
-            else:
-                res["wrong"] += P.count_wrong_bytes(got[0], seed, size)
-                if with_outs and got[0].ctypes.data != out.ctypes.data:
-                    res["outs_unused"] = res.get("outs_unused", 0) + 1
-                    res["wrong"] += P.count_wrong_bytes(out, seed, size)
-            res["s_outs" if with_outs else "s_plain"] = t
-        res["paths"] = {c: self.client.counts[c] - before.get(c, 0) for c in ("get_shm", "get_remote", "get_failed")}
-        return res
-
-    def fill(self, n: int, seed: int) -> dict:
-        """``n`` small filler chunks (one page each), untimed."""
-        stored = 0
-        data = P.byte_pattern(FILLER_BYTES, seed)
-        for _ in range(n):
-            stored += self.client.put(TENANT, [self._key(os.urandom(16).hex())], [data])
-        return {"stored": stored}
-
-    def memcpy(self, ops: dict, warmup: dict) -> dict:
-        """``copy``: numpy.copyto; ``copy_checksum``: kvpool.checksum.copy_with_checksum (the copy a
-        put or a same-node get makes, with its xxh3 in the same pass), heap to heap, alternating."""
-        from kvpool.checksum import checksum
-        from kvpool.checksum import copy_with_checksum as cwc
-
-        out, wrong = {}, 0
-        for name, size in self.sizes.items():
-            src = np.empty(size, dtype=np.uint8)
-            dst = np.empty(size, dtype=np.uint8)
-            times = {"copy": [], "copy_checksum": []}
-            for i in range(warmup[name] + ops[name]):
-                seed = i + 1
-                src[:] = P.byte_pattern(size, seed)
-                for kind in (("copy", "copy_checksum") if i % 2 == 0 else ("copy_checksum", "copy")):
-                    dst[:] = 0
-                    t0 = time.perf_counter()
-                    if kind == "copy":
-                        np.copyto(dst, src)
-                    else:
-                        digest = cwc(dst, src)
-                    t = time.perf_counter() - t0
-                    wrong += P.count_wrong_bytes(dst, seed, size)
-                    if kind == "copy_checksum" and digest != checksum(src):
-                        wrong += 1
-                    if i >= warmup[name]:
-                        times[kind].append(t)
-            out[name] = times
-        return {"times": out, "wrong": wrong}
-
-    def rtt(self, n: int) -> dict:
-        """``n`` calls of the node's trivial ``hello`` operation: the socket's round trip alone."""
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            self.client._call("hello", {})
-            times.append(time.perf_counter() - t0)
-        return {"s": times}
-
-    def stats(self) -> dict:
-        r, _ = self.client._call("stats", {})
-        return {"node_op_s": r.get("node_op_s", {}), "node_served": r.get("node_served"),
-                "peer_fetched": r.get("peer_fetched"), "peer_failed": r.get("peer_failed")}
-
-    def close(self) -> dict:
-        counts = dict(self.client.counts)
-        self.client.close()
-        return {"counts": counts}
-
-
-def _worker_main(config: dict) -> int:
-    """Requests on stdin, one JSON answer per line on the saved stdout (as kvpool.bench.peers)."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def say(**msg) -> None:
-        proto.write(json.dumps(msg) + "\n")
-
-    try:
-        engine = _Engine(config)
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        say(error=f"{type(e).__name__}: {e}")
-        return 1
-    say(ready=True, pid=os.getpid(), endpoint=config["shard"], ray_imported="ray" in sys.modules)
-    closed = False
-    for line in sys.stdin:
-        msg = json.loads(line)
-        op = msg.pop("op", None)
-        try:
-            if op == "quit":
-                r = engine.close()
-                closed = True
-                say(**r, ray_imported="ray" in sys.modules)
-                break
-            fn = getattr(engine, op, None) if op in ("put", "get", "fill", "memcpy", "stats", "phases", "rtt") else None
-            if fn is None:
-                say(error=f"unknown op {op!r}")
-                continue
-            say(**fn(**msg))
-        except Exception as e:  # noqa: BLE001 - reported to the parent
-            say(error=f"{type(e).__name__}: {e}")
-    if not closed:
-        engine.close()
-    return 0
-
-
-class _Worker(P.WorkerProcess):
-    """A child ``python -m kvpool.cluster.bench_node --worker`` (the engine side, no Ray)."""
+class _Worker(W.WorkerProcess):
+    """A child ``python -m kvpool.cluster.bench_node_worker`` (the engine side, no Ray)."""
 
     def __init__(self, name: str, config: dict, log_dir: str, start_timeout_s: float = 60.0) -> None:
         self.peer = name
@@ -314,9 +115,9 @@ class _Worker(P.WorkerProcess):
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.cluster.bench_node", "--worker", "--config", json.dumps(config)],
+                [sys.executable, "-m", "kvpool.cluster.bench_node_worker", "--config", json.dumps(config)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
-                preexec_fn=P._die_with_parent,
+                preexec_fn=W.die_with_parent,
             )
         try:
             self.hello = self._read(start_timeout_s)
@@ -340,16 +141,16 @@ class _Worker(P.WorkerProcess):
 def _own_redis(log_dir: str):
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not on PATH (the pool's index)")
-    port = P.free_port()
+    port = W.free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", log_dir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=P._die_with_parent)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=W.die_with_parent)
     try:
-        if not P._wait_port(port, proc, 10):
+        if not W.wait_port(port, proc, 10):
             raise RuntimeError(f"redis-server did not listen on 127.0.0.1:{port}")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        P._stop(proc)
+        W.stop(proc)
 
 
 @contextlib.contextmanager
@@ -482,65 +283,6 @@ def _breakdown_ms(acc: dict) -> dict:
     return out
 
 
-def _merge_rounds(rounds: list[dict]) -> dict:
-    return {name: {op: P.range_over_rounds([r[name][op] for r in rounds]) for op in rounds[0][name]}
-            for name in rounds[0]}
-
-
-def _merge_peer_runs(runs: list[dict]) -> dict:
-    """One ``peers.run(rounds=1)`` result per round -> the shape of ``peers.run(rounds=N)``."""
-    first = runs[0]
-    merged: dict = {"config": {**first["config"], "rounds": len(runs)}}
-    for who in first:
-        if who == "config":
-            continue
-        skipped = [r[who]["skipped"] for r in runs if "skipped" in r[who]]
-        if skipped:
-            merged[who] = {"skipped": skipped[0]}
-            continue
-        sizes = [n for n in first[who] if isinstance(first[who][n], dict) and n not in ("setup",)]
-        merged[who] = {n: {op: {m: [min(r[who][n][op][m][0] for r in runs), max(r[who][n][op][m][1] for r in runs)]
-                                for m in first[who][n][op]} for op in first[who][n]} for n in sizes}
-        merged[who]["wrong_bytes"] = sum(r[who].get("wrong_bytes", 0) for r in runs)
-        if "setup" in first[who]:
-            merged[who]["setup"] = first[who]["setup"]
-    return merged
-
-
-def _round_ratios(kv: dict, mem: dict, peer_rounds: dict[str, dict], large: str) -> dict:
-    """Ratios of one round: ``kv`` and ``mem`` summaries of kvpool's round, ``peer_rounds[peer]`` the
-    peer's round (its figures as ``[x, x]``)."""
-    out = {}
-    for peer, pr in peer_rounds.items():
-        for op in OPS:
-            for q in ("p50", "p99"):
-                out[f"{SMALL} {q} {op} kvpool/{peer}"] = kv[SMALL][op][f"{q}_ms"] / pr[SMALL][op][f"{q}_ms"][0]
-            if large in pr:
-                out[f"{large} {op} kvpool/{peer}"] = kv[large][op]["gbps_median"] / pr[large][op]["gbps_median"][0]
-    for op in ("put", "get_same"):
-        out[f"{large} {op} kvpool/memcpy"] = kv[large][op]["gbps_median"] / mem[large]["copy"]["gbps_median"]
-    if "copy_checksum" in mem[large]:
-        out[f"{large} copy_checksum/memcpy"] = (mem[large]["copy_checksum"]["gbps_median"]
-                                                / mem[large]["copy"]["gbps_median"])
-    return out
-
-
-def _targets(ratios: dict, large: str) -> list[dict]:
-    rows = []
-    for name, ratio, sense, bound in TARGETS:
-        ratio = ratio.replace("32MiB", large)
-        rng = ratios.get(ratio)
-        if rng is None:
-            rows.append({"name": name, "ratio": ratio, "bound": f"{sense} {bound:g}", "range": None, "worst": None,
-                         "met": None})
-            continue
-        worst = rng[1] if sense == "<=" else rng[0]
-        met = worst <= bound if sense == "<=" else worst >= bound
-        rows.append({"name": name, "ratio": ratio, "bound": f"{sense} {bound:g}", "range": rng, "worst": worst,
-                     "met": met})
-    return rows
-
-
 def mooncake_installed() -> bool:
     return importlib.util.find_spec("mooncake") is not None
 
@@ -637,87 +379,3 @@ def run(rounds: int = 3, ops: dict | None = None, warmup: dict | None = None, la
     result["ratios_per_round"] = per_round
     result["targets"] = _targets(result["ratios"], large)
     return result
-
-
-def failures(r: dict) -> list[str]:
-    """Why a result is a failed run (empty for a good one)."""
-    kv = r["kvpool"]
-    why = [f"kvpool: {kv[k]} {k.replace('_', ' ')}" for k in ("wrong_bytes", "missing", "put_failed") if kv[k]]
-    if kv["workers_imported_ray"]:
-        why.append("a worker process imported ray")
-    if r["memcpy"]["wrong_bytes"]:
-        why.append(f"memcpy: {r['memcpy']['wrong_bytes']} wrong bytes")
-    peers = r.get("peers", {})
-    if "skipped" not in peers and P.wrong_bytes(peers):
-        why.append(f"peers: {P.wrong_bytes(peers)} wrong bytes")
-    return why
-
-
-def _rng(v, fmt: str) -> str:
-    return "-" if v is None else P._rng(v, fmt)
-
-
-def format_table(r: dict) -> str:
-    cfg = r["config"]
-    names = list(cfg["sizes"])
-    small, large = names
-    lines = [f"kvpool node path (2 nodes, worker processes without Ray) and peers, same run: {cfg['rounds']} "
-             f"round(s), ranges over rounds; {small}: {cfg['ops'][small]} ops, {large}: {cfg['ops'][large]} ops",
-             f"{'':<10}{'op':<18}{small + ' p50 ms':>16}{small + ' p99 ms':>16}{large + ' GB/s med':>17}"
-             f"{large + ' GB/s min':>17}"]
-
-    def rows(who: str, v: dict, ops) -> None:
-        for op in ops:
-            if op not in v.get(small, {}):
-                continue
-            a, b = v[small][op], v.get(large, {}).get(op)
-            lines.append(f"{who:<10}{op:<18}{_rng(a['p50_ms'], '.3f'):>16}{_rng(a['p99_ms'], '.3f'):>16}"
-                         f"{_rng(b and b['gbps_median'], '.2f'):>17}{_rng(b and b['gbps_min'], '.2f'):>17}")
-
-    rows("memcpy", r["memcpy"], ["copy", "copy_checksum"])
-    rows("kvpool", r["kvpool"], [*OPS, "get_same_no_outs", "get_cross_no_outs"])
-    peers = r["peers"]
-    if "skipped" in peers:
-        lines.append(f"{'peers':<10}skipped: {peers['skipped']}")
-    else:
-        for p in P.PEERS:
-            if "skipped" in peers.get(p, {"skipped": "not run"}):
-                lines.append(f"{p:<10}skipped: {peers.get(p, {}).get('skipped', 'not run')}")
-            else:
-                rows(p, peers[p], OPS)
-    lines.append("ratios (per round, range over rounds):")
-    width = max([len(k) for k in r["ratios"]] + [10])
-    for k, v in r["ratios"].items():
-        lines.append(f"  {k:<{width}} {_rng(v, '.2f')}")
-    lines.append("targets (met: by the worst round):")
-    for t in r["targets"]:
-        state = "not measured" if t["met"] is None else ("met" if t["met"] else "NOT met")
-        lines.append(f"  {t['name']:<72} {t['bound']:<6} {_rng(t['range'], '.2f'):>11}  {state}")
-    kv = r["kvpool"]
-    lines.append(f"kvpool: wrong bytes {kv['wrong_bytes']}, missing {kv['missing']}, put failed {kv['put_failed']}, "
-                 f"put forwarded {kv['put_forwarded']}, workers imported ray: {kv['workers_imported_ray']}")
-    for role, v in kv.get("node_rtt", {}).items():
-        lines.append(f"  node socket round trip ('hello', {RTT_CALLS} calls a round) to the {role}: "
-                     f"p50 {_rng(v['p50_ms'], '.3f')} ms, p99 {_rng(v['p99_ms'], '.3f')} ms")
-    lines.append("where the time goes (ms per call, over all rounds, warm-up included; 'call OP': the engine's "
-                 "socket call, 'shard OP': the shard's handler):")
-    for name, roles in kv.get("breakdown_ms", {}).items():
-        for role, parts in roles.items():
-            lines.append(f"  {name} {role}: " + ", ".join(
-                f"{k} {v['ms_per_call']:.3f}" + (f" (x{v['calls']})" if k.startswith("call") else "")
-                for k, v in parts.items() if "ms_per_call" in v))
-    return "\n".join(lines)
-
-
-def _main(argv: list[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m kvpool.cluster.bench_node")
-    p.add_argument("--worker", action="store_true", required=True)
-    p.add_argument("--config", required=True)
-    a = p.parse_args(argv)
-    return _worker_main(json.loads(a.config))
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
