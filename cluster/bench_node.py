@@ -109,24 +109,9 @@ class _Worker(W.WorkerProcess):
     """A child ``python -m kvpool.cluster.bench_node_worker`` (the engine side, no Ray)."""
 
     def __init__(self, name: str, config: dict, log_dir: str, start_timeout_s: float = 60.0) -> None:
-        self.peer = name
-        fd, self.log = tempfile.mkstemp(prefix=f"kvpool-bench-node-{name}-", suffix=".log", dir=log_dir)
-        os.close(fd)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        with open(self.log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.cluster.bench_node_worker", "--config", json.dumps(config)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
-                preexec_fn=W.die_with_parent,
-            )
-        try:
-            self.hello = self._read(start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-        if "error" in self.hello:
-            self.close()
-            raise RuntimeError(f"{name} worker: {self.hello['error']}")
+        self._start(name, ["-m", "kvpool.cluster.bench_node_worker", "--config", json.dumps(config)], env, log_dir,
+                    start_timeout_s, "kvpool-bench-node")
 
     def quit(self) -> dict:
         try:

@@ -174,13 +174,7 @@ class _Engine:
 
 def _worker_main(config: dict) -> int:
     """Requests on stdin, one JSON answer per line on the saved stdout (as kvpool.bench.peers)."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-
-    def say(**msg) -> None:
-        proto.write(json.dumps(msg) + "\n")
-
+    say = W.line_protocol()
     try:
         engine = _Engine(config)
     except Exception as e:  # noqa: BLE001 - reported to the parent

@@ -93,12 +93,18 @@ class WorkerProcess:
 
     def __init__(self, peer: str, config: dict, env: dict | None = None, log_dir: str | None = None,
                  start_timeout_s: float = 60.0) -> None:
-        self.peer = peer
-        fd, self.log = tempfile.mkstemp(prefix=f"kvpool-peers-{peer}-", suffix=".log", dir=log_dir)
+        self._start(peer, ["-m", "kvpool.bench.peer_procs", "--worker", peer, "--config", json.dumps(config)], env,
+                    log_dir, start_timeout_s, "kvpool-peers")
+
+    def _start(self, name: str, args: list[str], env: dict | None, log_dir: str | None, start_timeout_s: float,
+               prefix: str) -> None:
+        """Starts ``python ARGS`` (stderr to a log of its own) and waits for its first line."""
+        self.peer = name
+        fd, self.log = tempfile.mkstemp(prefix=f"{prefix}-{name}-", suffix=".log", dir=log_dir)
         os.close(fd)
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.bench.peer_procs", "--worker", peer, "--config", json.dumps(config)],
+                [sys.executable, *args],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1,
                 preexec_fn=die_with_parent,
             )
@@ -109,7 +115,7 @@ class WorkerProcess:
             raise
         if "error" in self.hello:
             self.close()
-            raise RuntimeError(f"{peer} worker: {self.hello['error']}")
+            raise RuntimeError(f"{name} worker: {self.hello['error']}")
 
     def _read(self, timeout_s: float) -> dict:
         import select
@@ -252,9 +258,10 @@ class _RedisClient:
 _CLIENTS = {"mooncake": _MooncakeClient, "redis": _RedisClient}
 
 
-def _worker_main(peer: str, config: dict) -> int:
-    """The worker's loop: requests on stdin, one JSON answer per line on the saved stdout; whatever
-    native code prints to fd 1 goes to stderr instead."""
+def line_protocol():
+    """A worker's answers: a ``say(**msg)`` that writes one JSON line to the process's real stdout,
+    which from now on only it writes (fd 1 and ``sys.stdout`` point at stderr, so whatever native
+    code or a library prints cannot break the protocol)."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -262,6 +269,13 @@ def _worker_main(peer: str, config: dict) -> int:
     def say(**msg) -> None:
         proto.write(json.dumps(msg) + "\n")
 
+    return say
+
+
+def _worker_main(peer: str, config: dict) -> int:
+    """The worker's loop: requests on stdin, one JSON answer per line on the saved stdout; whatever
+    native code prints to fd 1 goes to stderr instead."""
+    say = line_protocol()
     try:
         client = _CLIENTS[peer](config)
     except Exception as e:  # reported to the parent, which decides between a skip and an error
