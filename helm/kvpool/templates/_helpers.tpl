@@ -202,29 +202,25 @@ authOptions, so an operator without authOptions still gets it) and KVPOOL_SECRET
 
 {{/* DRAM pages per shard: pool.dramMiB / pool.pageMiB when the size is given in MiB, else pool.dramPages. */}}
 {{- define "kvpool.dramPages" -}}
-{{- $p := .Values.pool }}
-{{- if $p.dramMiB }}
-{{- $n := div (int64 $p.dramMiB) (int64 $p.pageMiB) }}
-{{- if lt $n 1 }}
-{{- fail (printf "pool.dramMiB %d holds no page of pool.pageMiB %d MiB: raise pool.dramMiB to %d or more, or lower pool.pageMiB" (int $p.dramMiB) (int $p.pageMiB) (int $p.pageMiB)) }}
-{{- end }}
-{{- $n }}
-{{- else }}
-{{- int $p.dramPages }}
-{{- end }}
+{{- include "kvpool.pagesOf" (list .Values.pool.dramMiB .Values.pool.dramPages "pool.dramMiB" .Values.pool.pageMiB) }}
 {{- end }}
 
 {{/* Disk pages per shard: pool.disk.sizeMiB / pool.pageMiB when given, else pool.disk.pages. */}}
 {{- define "kvpool.diskPages" -}}
-{{- $p := .Values.pool }}
-{{- if $p.disk.sizeMiB }}
-{{- $n := div (int64 $p.disk.sizeMiB) (int64 $p.pageMiB) }}
+{{- include "kvpool.pagesOf" (list .Values.pool.disk.sizeMiB .Values.pool.disk.pages "pool.disk.sizeMiB" .Values.pool.pageMiB) }}
+{{- end }}
+
+{{/* Whole pages of pageMiB in a tier of MiB, else the tier's page count. Arg: (list mib pages name pageMiB). */}}
+{{- define "kvpool.pagesOf" -}}
+{{- $mib := index . 0 }}{{- $name := index . 2 }}{{- $page := int64 (index . 3) }}
+{{- if $mib }}
+{{- $n := div (int64 $mib) $page }}
 {{- if lt $n 1 }}
-{{- fail (printf "pool.disk.sizeMiB %d holds no page of pool.pageMiB %d MiB: raise pool.disk.sizeMiB to %d or more" (int $p.disk.sizeMiB) (int $p.pageMiB) (int $p.pageMiB)) }}
+{{- fail (printf "%s %d holds no page of pool.pageMiB %d MiB: raise %s to %d or more, or lower pool.pageMiB" $name (int $mib) (int $page) $name (int $page)) }}
 {{- end }}
 {{- $n }}
 {{- else }}
-{{- int $p.disk.pages }}
+{{- int (index . 1) }}
 {{- end }}
 {{- end }}
 
