@@ -1,4 +1,4 @@
 """Engine connectors (vLLM, SGLang, transformers): the only place that imports an engine.
 
-Installed as ``kvpool.connectors``. Empty until the connectors issue.
+Installed as ``kvpool.connectors``.
 """

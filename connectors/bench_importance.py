@@ -45,7 +45,7 @@ def _documents(model_name: str, docs: int, doc_tokens: int):
         questions = [tok(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
         return model, texts, questions
     if model_name == "tiny":
-        from kvpool.connectors.hf import tiny_llama
+        from kvpool.connectors.hf_model import tiny_llama
 
         g = torch.Generator().manual_seed(0)
         texts = [torch.randint(0, 1024, (doc_tokens,), generator=g).tolist() for _ in range(docs)]

@@ -41,7 +41,8 @@ import torch
 
 from kvpool.codec import stored_nbytes
 from kvpool.connectors import quality_text
-from kvpool.connectors.hf import HFConnector, _cache_argument, model_spec
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import cache_argument, model_spec
 from kvpool.errors import BadRequest
 from kvpool.progress import Progress
 
@@ -105,7 +106,7 @@ class Continuation:
         self.model, self.cache, self.last = model, cache, last
 
     def step(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, **{_cache_argument(self.model): self.cache})
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, **{cache_argument(self.model): self.cache})
         return out.logits[0]
 
     def fork(self) -> Continuation:

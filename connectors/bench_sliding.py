@@ -59,13 +59,14 @@ def _decode_s(model, arg: str, cache, first: int) -> float:
 def _round(name: str, model, context: int, chunk: int) -> dict:
     from transformers import DynamicCache
 
-    from kvpool.connectors.hf import HFConnector, _cache_argument
+    from kvpool.connectors.hf import HFConnector
+    from kvpool.connectors.hf_model import cache_argument
     from kvpool.connectors.pools import close_local_pools
 
     close_local_pools()
     conn = HFConnector(model, config={"chunk_tokens": chunk, "dram_mib": 4096, "pool": f"bench-sliding-{name}"})
     ids = torch.randint(3, BASE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(context))
-    arg = _cache_argument(model)
+    arg = cache_argument(model)
     own = DynamicCache(config=model.config)
     t = time.perf_counter()
     first = int(model(input_ids=ids, use_cache=True, **{arg: own}).logits[0, -1].argmax())

@@ -27,7 +27,7 @@ from kvpool.progress import Progress
 
 
 def bench_model():
-    from kvpool.connectors.hf import tiny_llama
+    from kvpool.connectors.hf_model import tiny_llama
 
     return tiny_llama(0, layers=8, hidden=512, heads=8, kv_heads=4, vocab=4096)
 
@@ -53,7 +53,8 @@ def _random_prompts(contexts: list[int]) -> list[torch.Tensor]:
 
 def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chunk_tokens: int = 256,
            backend: str = "local", model: str = "random") -> list[dict]:
-    from kvpool.connectors.hf import HFConnector, model_spec
+    from kvpool.connectors.hf import HFConnector
+    from kvpool.connectors.hf_model import model_spec
     from kvpool.pool import LocalPool
     from kvpool.tenants import Tenant, TenantRegistry
 

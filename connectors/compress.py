@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvpool.connectors.hf_batch import one_prompt
+from kvpool.connectors.hf_model import cache_argument
 from kvpool.errors import BadRequest
 from kvpool.kernels import quest as _quest
 from kvpool.kernels import scoring
@@ -115,12 +117,6 @@ def _layers_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _cache_argument(model) -> str:
-    from kvpool.connectors.hf import _cache_argument as arg
-
-    return arg(model)
-
-
 @contextmanager
 def _attention(model, name: str, fn):
     """Runs the model with attention function ``fn`` registered as ``name`` (restored afterwards)."""
@@ -163,7 +159,7 @@ def prompt_queries(model, cache, input_ids, last: int) -> list[torch.Tensor]:
 
     kv = _layers_kv(cache)
     L = kv[0][0].shape[2]
-    ids = torch.as_tensor(input_ids).reshape(1, -1)
+    ids = one_prompt(input_ids)
     if ids.shape[1] != L:
         raise BadRequest(f"input_ids has {ids.shape[1]} tokens but the cache holds {L}: pass the prompt the cache holds")
     last = max(1, min(last, L))
@@ -176,7 +172,7 @@ def prompt_queries(model, cache, input_ids, last: int) -> list[torch.Tensor]:
     try:
         with _attention(model, _CAPTURE, _capture):
             model(input_ids=ids[:, L - last:].to(device), use_cache=True,
-                  position_ids=torch.arange(L - last, L, device=device)[None], **{_cache_argument(model): head})
+                  position_ids=torch.arange(L - last, L, device=device)[None], **{cache_argument(model): head})
         queries = [_local.queries[i] for i in range(len(kv))]
         k_new = _local.keys[0][:, :, L - last:]
     finally:
@@ -281,11 +277,9 @@ def greedy(model, compressed: CompressedKV, ids, new_tokens: int) -> list[int]:
 def _continue(model, compressed: CompressedKV, ids, steps: int) -> tuple[torch.Tensor, list[int]]:
     from transformers import DynamicCache
 
-    ids = torch.as_tensor(ids).reshape(1, -1)
-    if ids.shape[1] == 0:
-        raise BadRequest("ids is empty: give at least one token to continue with")
+    ids = one_prompt(ids, "ids")
     device = compressed.keys[0].device
-    arg = _cache_argument(model)
+    arg = cache_argument(model)
     if compressed.ragged:
         W = max(p.shape[-1] for p in compressed.positions)
         cache, valid = DynamicCache(), {}

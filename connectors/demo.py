@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpool.connectors.hf import HFConnector, model_spec, tiny_llama
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import model_spec, tiny_llama
 from kvpool.errors import BadRequest
 from kvpool.progress import Progress
 from kvpool.tenants import Tenant, TenantRegistry

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.connectors.demo_workload import Conversation, first_message
-from kvpool.connectors.hf import HFConnector, _cache_argument
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import cache_argument
 from kvpool.connectors.smollm2 import chat_ids
 from kvpool.progress import Progress
 
@@ -37,7 +38,7 @@ def greedy(conn: HFConnector, ids: list[int], tenant: str, *, use_pool: bool, ma
     """Greedy decoding after a prefill with or without the pool, until a stop token or the limit."""
     first = conn.prefill(ids, tenant=tenant, use_pool=use_pool)
     logits = first.logits[0, -1].float().cpu()
-    arg, cache, tokens = _cache_argument(conn.model), first.cache, []
+    arg, cache, tokens = cache_argument(conn.model), first.cache, []
     device = next(conn.model.parameters()).device
     nxt = int(logits.argmax())
     while nxt not in stop and len(tokens) < max_new_tokens:

@@ -261,7 +261,7 @@ def pool_chunks(plan: dict, env: dict) -> int:
 def save_model(path: str) -> None:
     import torch
 
-    from kvpool.connectors.hf import tiny_llama
+    from kvpool.connectors.hf_model import tiny_llama
 
     tiny_llama(0, layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, vocab=VOCAB).to(torch.float16).save_pretrained(path)
 

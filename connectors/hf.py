@@ -2,18 +2,13 @@
 
 Before a prefill it loads the longest cached prefix of whole chunks into a ``DynamicCache`` and
 runs the model on the rest only; after the prefill it saves the prompt's new whole chunks. Any
-decoder whose config gives its layers, KV heads and head dim works.
-
-NOTE: transformers renamed the forward argument that carries the cache (``past_key_values`` in
-5.0-5.23, ``cache`` from 5.24), and an argument a model does not know is swallowed by its
-``**kwargs``: the prefix would be silently recomputed and the suffix attend to nothing. So the
-name is read from the model's signature, and after every forward the cache we passed must have
-grown by exactly the tokens we ran, or the call fails loudly.
+decoder whose config gives its layers, KV heads and head dim works (:mod:`kvpool.connectors.hf_model`
+reads them, and refuses what it cannot serve). A batch of prompts is served row by row, each with
+its own keys and hit (:mod:`kvpool.connectors.hf_batch`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -24,15 +19,9 @@ import torch
 from kvpool.auth import claimed_tenant
 from kvpool.connectors import compress_store
 from kvpool.connectors.breakeven import BreakEven
-from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds, text_config
-from kvpool.connectors.pools import PoolHealth, Reporter, check_config, open_pool, spec_for
-from kvpool.connectors.weights import (
-    check_given,
-    config_fields,
-    files_fingerprint,
-    local_checkpoint,
-    tensors_fingerprint,
-)
+from kvpool.connectors.hf_batch import prompt_rows
+from kvpool.connectors.hf_model import cache_argument, layer_kv, model_spec, same_layout
+from kvpool.connectors.pools import PoolHealth, Reporter, check_config, open_pool
 from kvpool.errors import BadRequest, KvPoolError
 
 log = logging.getLogger("kvpool.connectors.hf")
@@ -50,127 +39,6 @@ class PrefillResult:
     # Positions the cache is short of (a compressed prefix holds fewer entries than its tokens): the
     # next token's position is cache.get_seq_length() + positions_ahead (position_ids, decoding yourself).
     positions_ahead: int = 0
-
-
-def model_spec(model, *, model_id: str | None = None, chunk_tokens: int = 256, revision: str = "main",
-               weights: str | None = None, storage_format: str = "raw"):
-    """The KV spec of a transformers decoder: its layers' kinds (from the config), the K and V
-    shapes its cache really holds (one probe token), and its weights' fingerprint
-    (``weights``: None or ``"auto"``, ``"files"``, ``"tensors"``, or your own name for them; see
-    :mod:`kvpool.connectors.weights`) and how its chunks are stored (``storage_format``: ``"raw"``,
-    or a LOSSY, opt-in format of :mod:`kvpool.codec`). Raises :class:`UnsupportedModel` for a family the
-    connector cannot serve correctly."""
-    kinds, heads, k_dim, v_dim, dtype = model_layout(model)
-    name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    return spec_for(name, len(kinds), heads, k_dim, dtype, chunk_tokens=chunk_tokens, revision=revision,
-                    weights=model_weights(model, weights, revision), layer_kinds=kinds, v_head_dim=v_dim,
-                    engine=engine_scope(model.config, "transformers", type(model).__name__),
-                    storage_format=storage_format)
-
-
-def model_layout(model) -> tuple[tuple[str, ...], int, int, int, object]:
-    """(layer kinds, KV heads, K width, V width, dtype) of a transformers decoder."""
-    kinds = layer_kinds(model.config, engine="transformers connector")
-    _check_cache_layers(model, kinds)
-    heads, k_dim, v_dim, dtype = _probe_kv(model, len(kinds))
-    if is_latent(model.config):
-        cfg = text_config(model.config)
-        if (heads, k_dim, v_dim) == (1, cfg.kv_lora_rank, cfg.qk_rope_head_dim):
-            # NOTE: transformers >= 5.2x caches MLA compressed: per token one normalised latent
-            # (the "keys") and one rotated rope key (the "values"), expanded per head at attention.
-            kinds = tuple("latent" if k == "full" else k for k in kinds)
-    return kinds, heads, k_dim, v_dim, dtype
-
-
-def _same_layout(spec, model) -> bool:
-    kinds, heads, k_dim, v_dim, dtype = model_layout(model)
-    other = spec_for(spec.model_id, len(kinds), heads, k_dim, dtype, chunk_tokens=spec.chunk_tokens,
-                     revision=spec.model_revision, weights=spec.weights, layer_kinds=kinds, v_head_dim=v_dim,
-                     storage_format=spec.storage_format,
-                     engine=engine_scope(model.config, "transformers", type(model).__name__))
-    return other.fingerprint() == spec.fingerprint()
-
-
-def model_weights(model, weights: str | None = None, revision: str | None = None) -> str:
-    """The weights fingerprint of a loaded model. ``auto``: its checkpoint folder's files when it
-    was loaded from one with the folder's own config (so vLLM serving that folder shares its
-    chunks), else its tensors."""
-    if weights not in (None, "auto", "files", "tensors"):
-        return check_given(weights)
-    if weights != "tensors":
-        source = getattr(model.config, "_name_or_path", "") or ""
-        folder = local_checkpoint(source, None if revision in (None, "main") else revision)
-        if folder is not None and _config_is_the_folders(model.config, folder):
-            return files_fingerprint(folder)
-        if weights == "files":
-            raise BadRequest(f"weights='files' but {type(model).__name__} was not loaded from a checkpoint folder "
-                             f"with its own config ({source!r}): use weights='tensors' or name the weights yourself")
-    return tensors_fingerprint(model)
-
-
-def _config_is_the_folders(config, folder: str) -> bool:
-    """Whether the model runs with its folder's config (no override of a field that changes KV)."""
-    try:
-        disk = type(config).from_pretrained(folder).to_dict()
-    except Exception:  # noqa: BLE001 - a folder whose config does not load: not this model's
-        return False
-    skip = ("dtype", "torch_dtype", "use_cache")
-    here = {k: v for k, v in config_fields(config.to_dict()).items() if k not in skip}
-    return here == {k: v for k, v in config_fields(disk).items() if k not in skip}
-
-
-def _check_cache_layers(model, kinds: tuple[str, ...]) -> None:
-    """transformers' own cache for the model must agree with the kinds read from its config (a
-    layer class or window we did not expect means the model does something we cannot vouch for)."""
-    from transformers import DynamicCache
-
-    layers = DynamicCache(config=model.config).layers
-    if len(layers) != len(kinds):
-        raise UnsupportedModel(f"transformers connector: {type(model).__name__}'s cache has {len(layers)} layers but "
-                               f"its config {len(kinds)}: kvpool cannot tell what each layer's KV is")
-    for i, (layer, kind) in enumerate(zip(layers, kinds)):
-        cls = type(layer).__name__
-        window = int(kind.partition(":")[2] or 0)
-        ok = (cls == "DynamicLayer" and not window) or (
-            cls == "DynamicSlidingWindowLayer" and window and getattr(layer, "sliding_window", None) == window)
-        if not ok:
-            raise UnsupportedModel(f"transformers connector: layer {i} of {type(model).__name__} caches through "
-                                   f"{cls} but its config says {kind!r}; kvpool cannot vouch for reusing its KV. "
-                                   "Serve this model without the pool")
-
-
-def _probe_kv(model, num_layers: int) -> tuple[int, int, int, object]:
-    """(KV heads, K width, V width, dtype) that the model's cache holds, from one probe token."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
-              **{_cache_argument(model): cache})
-    shapes = set()
-    for layer in range(num_layers):
-        if layer >= len(cache.layers) or getattr(cache.layers[layer], "keys", None) is None:
-            raise UnsupportedModel(f"transformers connector: {type(model).__name__} left layer {layer} of its cache "
-                                   "empty: kvpool cannot rebuild a cache it does not fill")
-        k, v = _layer_kv(cache, layer)
-        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.dtype != v.dtype:
-            raise UnsupportedModel(f"transformers connector: layer {layer} caches K {tuple(k.shape)} and V "
-                                   f"{tuple(v.shape)}; kvpool stores [batch, heads, tokens, dim] K and V")
-        shapes.add((k.shape[1], k.shape[3], v.shape[3], k.dtype))
-    if len(shapes) != 1:
-        raise UnsupportedModel(f"transformers connector: {type(model).__name__}'s layers cache KV of different shapes "
-                               f"{sorted(map(str, shapes))}; kvpool chunks hold one shape for every layer")
-    return shapes.pop()
-
-
-def _cache_argument(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    for name in ("cache", "past_key_values"):
-        if name in params:
-            return name
-    raise BadRequest(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: "
-                     "not a transformers causal LM this connector knows")
 
 
 class HFConnector:
@@ -194,14 +62,14 @@ class HFConnector:
                  tenant: str = "default", breakeven: BreakEven | None = None, weights: str | None = None) -> None:
         cfg = check_config(config or {})
         self.model = model
-        self._arg = _cache_argument(model)
+        self._arg = cache_argument(model)
         if pool is None:
             self.spec = model_spec(model, model_id=model_id, chunk_tokens=cfg["chunk_tokens"], weights=weights,
                                    storage_format=cfg["storage_format"])
             self.pool = open_pool(self.spec, config)
         else:
             self.spec, self.pool = pool.spec, pool
-            if not _same_layout(pool.spec, model):  # NOTE: the weights are the pool's maker's word (model_spec)
+            if not same_layout(pool.spec, model):  # NOTE: the weights are the pool's maker's word (model_spec)
                 raise BadRequest(f"the pool's spec {pool.spec} does not describe {type(model).__name__}'s KV layout: "
                                  "open the pool with model_spec(model)")
         self.tenant = cfg.get("tenant", tenant)
@@ -232,7 +100,7 @@ class HFConnector:
 
         own = DynamicCache(config=self.model.config)
         for layer in range(self._layers):
-            own.update(*_layer_kv(cache, layer), layer)
+            own.update(*layer_kv(cache, layer), layer)
         assert own.get_seq_length() == cache.get_seq_length()
         return own
 
@@ -259,7 +127,7 @@ class HFConnector:
         lo, hi = first * c, (first + count) * c
         per_layer = []
         for layer in range(self._layers):
-            k, v = _layer_kv(cache, layer)
+            k, v = layer_kv(cache, layer)
             if k.shape[2] < hi or v.shape[2] < hi:
                 raise RuntimeError(f"layer {layer} of the cache holds {k.shape[2]} tokens, not the {hi} saved: the "
                                    "cache dropped tokens (a sliding window?) and its chunks cannot be stored")
@@ -288,15 +156,23 @@ class HFConnector:
 
     # ---------------------------------------------------------------- the request
     @torch.no_grad()
-    def prefill(self, input_ids, *, tenant: str | None = None, save: bool = True, use_pool: bool = True,
-                extra_keys=(), shared: bool = False) -> PrefillResult:
+    def prefill(self, input_ids, *, attention_mask=None, **kw) -> PrefillResult | list[PrefillResult]:
         """Runs the prompt, reusing the pool's longest whole-chunk prefix (at least one token is
-        always computed, so the last position's logits exist)."""
+        always computed, so the last position's logits exist). A batch (``[B, n]`` with its
+        ``attention_mask``, padded left or right, or a list of token lists) is run row by row: a
+        list of one result per row, each with its own hit (:mod:`kvpool.connectors.hf_batch`).
+        ``kw``: ``tenant``, ``save`` (store the new whole chunks), ``use_pool`` (False: recompute
+        everything, store nothing), ``extra_keys`` and ``shared`` (the keys' namespace)."""
+        rows, batched = prompt_rows(input_ids, attention_mask)
+        results = [self._prefill_one(row, **kw) for row in rows]
+        return results if batched else results[0]
+
+    def _prefill_one(self, ids: torch.Tensor, *, tenant: str | None = None, save: bool = True, use_pool: bool = True,
+                     extra_keys=(), shared: bool = False) -> PrefillResult:
+        """One prompt's prefill: ``ids`` is ``[1, n]``, every token real (prompt_rows made it so)."""
+        assert ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] > 0, tuple(ids.shape)
         tenant = tenant or self.tenant
-        ids = torch.as_tensor(input_ids).reshape(1, -1)
         n = ids.shape[1]
-        if n == 0:
-            raise BadRequest("empty prompt: give at least one token")
         t0 = time.perf_counter()
         c = self.spec.chunk_tokens
         keys = self.pool.keys(tenant, ids[0].tolist(), extra_keys=extra_keys, shared=shared)
@@ -360,9 +236,17 @@ class HFConnector:
         return PrefillResult(out.logits, cache, n, hit, saved, time.perf_counter() - t0, timings, ahead)
 
     @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens: int = 8, **kw) -> tuple[list[int], PrefillResult]:
-        """Greedy decoding after a pooled prefill; the new tokens and the prefill's result."""
-        first = self.prefill(input_ids, **kw)
+    def generate(self, input_ids, max_new_tokens: int = 8, *, attention_mask=None, **kw):
+        """Greedy decoding after a pooled prefill: (the new tokens, the prefill's result); for a
+        batch (as :meth:`prefill` takes it), (each row's new tokens, each row's result)."""
+        rows, batched = prompt_rows(input_ids, attention_mask)
+        out = [self._generate_one(row, max_new_tokens, **kw) for row in rows]
+        if batched:
+            return [tokens for tokens, _ in out], [result for _, result in out]
+        return out[0]
+
+    def _generate_one(self, ids: torch.Tensor, max_new_tokens: int, **kw) -> tuple[list[int], PrefillResult]:
+        first = self._prefill_one(ids, **kw)
         cache, tokens = first.cache, []
         nxt = int(first.logits[0, -1].argmax())
         device = next(self.model.parameters()).device
@@ -376,24 +260,3 @@ class HFConnector:
                              **{self._arg: cache})
             nxt = int(out.logits[0, -1].argmax())
         return tokens, first
-
-
-def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(cache, "layers"):  # transformers >= 4.56
-        return cache.layers[layer].keys, cache.layers[layer].values
-    return cache.key_cache[layer], cache.value_cache[layer]  # pragma: no cover - older releases
-
-
-def tiny_llama(seed: int = 0, *, layers: int = 2, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-               vocab: int = 1024, max_positions: int = 32768, init_range: float = 0.2):
-    """A random-weight Llama (no download), deterministic by seed, in fp32 and eval mode.
-
-    NOTE: a larger init than the default 0.02 makes logits depend on the KV (perturbing K moved 0.02's by ~1e-3)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                      initializer_range=init_range, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    return model

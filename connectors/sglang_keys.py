@@ -49,11 +49,10 @@ _MAX_KEY_CHARS = 1024
 def model_identity(model_name: str, given: str | None) -> tuple[str, tuple[str, ...], str]:
     """(weights fingerprint, layer kinds, engine scope) of the model SGLang serves; refuses families
     this backend does not serve (sliding, chunked or linear-attention layers) and a model it cannot
-    fingerprint."""
-    weights = weights_of_folder(model_name, None, given, engine="SGLang")
+    fingerprint (or whose checkpoint changed since SGLang loaded it: :func:`weights_of_folder`)."""
     folder = local_checkpoint(model_name)
     if folder is None:  # the user named the weights; the layers are MHA pages (checked at registration)
-        return weights, (), "sglang"
+        return weights_of_folder(model_name, None, given, engine="SGLang"), (), "sglang"
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
@@ -63,7 +62,7 @@ def model_identity(model_name: str, given: str | None) -> tuple[str, tuple[str, 
         # NOTE: not verified against SGLang's hybrid sliding-window pools; refuse rather than guess.
         raise UnsupportedModel(f"kvpool's SGLang backend: {model_name} has {windowed} layers; the backend serves "
                                "full-attention MHA models only. Serve it without --hicache-storage-backend kvpool")
-    return weights, kinds, engine_scope(config, "sglang")
+    return weights_of_folder(model_name, None, given, engine="SGLang"), kinds, engine_scope(config, "sglang")
 
 
 PARAM_SECRET = "kvpool_secret"  # the request secret in extra_info.extra_info

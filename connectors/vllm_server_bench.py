@@ -201,7 +201,7 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
         model_dir = os.path.join(workdir, "model")
         model = issue_qwen2() if model_name == "qwen2" else bench_model()
         if tiny:
-            from kvpool.connectors.hf import tiny_llama
+            from kvpool.connectors.hf_model import tiny_llama
 
             model = tiny_llama(0, layers=2, hidden=256, heads=4, kv_heads=2, vocab=1024)
         model.save_pretrained(model_dir)

@@ -71,7 +71,8 @@ def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_to
     from kvpool.cluster import ops
     from kvpool.cluster.client import PoolClient
     from kvpool.cluster.pool import ClusterPool
-    from kvpool.connectors.hf import HFConnector, model_spec
+    from kvpool.connectors.hf import HFConnector
+    from kvpool.connectors.hf_model import model_spec
     from kvpool.tenants import Tenant
 
     entries = load_entries(path)

@@ -15,10 +15,17 @@ load each other's KV. So every spec carries ``weights``, a content fingerprint:
   config, in name order. Such a model shares chunks only with itself.
 - an explicit string, for users who know better (``weights=`` / ``model_weights``).
 
-NOTE: the files fingerprint names what is on disk when the connector starts. A model changed in
-memory after loading (a training step, merged adapters) must pass ``weights="tensors"`` or its
-own id; the transformers connector falls back to tensors by itself when the config it holds is
-not the folder's.
+The files describe the model only if they still hold what it loaded, so each engine checks that:
+
+- transformers: a sample of the files' tensors must equal the loaded model's
+  (:mod:`kvpool.connectors.weights_sample`), else the model is keyed by its tensors (a warning
+  says why). A model changed in memory after loading (a training step, merged adapters) is caught
+  the same way, as long as the sample sees the change: pass ``weights="tensors"`` to be sure.
+- vLLM and SGLang (whose connectors never see the weights): no checkpoint file may have changed
+  since the engine began loading it: :func:`note_loading` records the files just before the
+  engine reads them (kvpool's vLLM plugin does it in every vLLM process; an embedder that loads a
+  model in-process calls it itself), and without that record, since this process started. A
+  change is refused at start with the fix (restart the engine, or name the weights).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 
 import msgpack
 import xxhash
@@ -174,7 +182,8 @@ def local_checkpoint(name_or_path: str, revision: str | None = None) -> str | No
 
 def weights_of_folder(name_or_path: str, revision: str | None, given: str | None, *, engine: str) -> str:
     """The weights fingerprint for an engine that serves ``name_or_path``: ``given`` when the user
-    named the weights, else the folder's files; refuses a model it cannot fingerprint."""
+    named the weights, else the folder's files, refused when a file changed since the engine
+    loaded it (see the module docstring); refuses a model it cannot fingerprint."""
     if given:
         return check_given(given)
     folder = local_checkpoint(name_or_path, revision)
@@ -182,7 +191,68 @@ def weights_of_folder(name_or_path: str, revision: str | None, given: str | None
         raise BadRequest(f"kvpool cannot fingerprint the weights of {name_or_path!r} ({engine}): it is not a local "
                          "checkpoint folder nor in the local Hugging Face cache. Serve it from a folder, or name "
                          "its weights yourself (model_weights='<name>@<commit or hash>')")
-    return files_fingerprint(folder)
+    fingerprint = files_fingerprint(folder)
+    changed, since = _changed_since_load(folder)  # after hashing: unchanged now means hashed as loaded
+    if changed:
+        raise BadRequest(f"{engine}: the checkpoint {folder} changed after this engine {since} "
+                         f"({', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}), so its files may not "
+                         "be the weights the engine holds and kvpool cannot key its KV by them. Restart the engine "
+                         "once the checkpoint is written (or serve each checkpoint from its own folder), or name the "
+                         "weights yourself (model_weights='<name>@<commit or hash>')")
+    return fingerprint
+
+
+# real path of a checkpoint folder -> its files' identities just before an engine in this process read them
+_before_load: dict[str, dict[str, list[int]]] = {}
+
+
+def note_loading(name_or_path: str, revision: str | None = None) -> None:
+    """Records a checkpoint's files just before an engine in this process loads them (kvpool's vLLM
+    plugin calls it; call it yourself before loading a model in-process for SGLang's backend)."""
+    folder = local_checkpoint(name_or_path, None if revision in (None, "main") else revision)
+    if folder is not None:
+        real = os.path.realpath(folder)
+        _before_load[real] = _identities(real)
+
+
+def _identities(folder: str) -> dict[str, list[int]]:
+    return {rel: _identity(os.stat(os.path.join(folder, rel))) for rel in checkpoint_files(folder)}
+
+
+def _changed_since_load(folder: str) -> tuple[list[str], str]:
+    """(the checkpoint's files that changed since this process's engine loaded them, what "since" is)."""
+    real = os.path.realpath(folder)
+    now = _identities(real)
+    before = _before_load.get(real)
+    if before is not None:
+        return sorted(rel for rel in set(now) | set(before) if now.get(rel) != before.get(rel)), "began loading it"
+    started = process_start_ns()
+    return sorted(rel for rel, ident in now.items() if ident[-1] > started), "process started"
+
+
+def process_start_ns() -> int:
+    """When this process started, in ns since the epoch (from /proc, to 10 ms; 0 where unknown)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # no /proc: every file counts as changed, which refuses rather than guesses
+    return time.time_ns() - int((uptime - ticks / os.sysconf("SC_CLK_TCK")) * 1e9)
+
+
+def verified_files_fingerprint(folder: str, model) -> tuple[str | None, str | None]:
+    """(the folder's files fingerprint, None) when a sample of its files equals ``model``'s
+    parameters; (None, why not) else (:mod:`kvpool.connectors.weights_sample`)."""
+    from kvpool.connectors.weights_sample import mismatch
+
+    real = os.path.realpath(folder)
+    fingerprint = files_fingerprint(real)
+    why = mismatch(real, checkpoint_files(real), model)
+    if why is None and files_fingerprint(real) != fingerprint:
+        why = "its files changed while they were compared"
+    return (fingerprint, None) if why is None else (None, why)
 
 
 def check_given(weights: object) -> str:

@@ -18,11 +18,12 @@ def kvpool(*args: str, timeout: int = 300) -> dict | list:
 
 
 def test_bench_weights_reports_first_and_cached_starts(tmp_path):
-    result = kvpool("bench", "weights", "--size-gib", "0.03", "--rounds", "2", "--dir", str(tmp_path))
-    assert result["size_gib"] == 0.03 and len(result["rounds"]) == 2
+    result = kvpool("bench", "weights", "--size-gib", "0.5", "--rounds", "2", "--dir", str(tmp_path))
+    assert result["size_gib"] == 0.5 and len(result["rounds"]) == 2
+    assert result["tensors"] == 291 and 0.6 < result["bytes"] / 2**29 <= 1.0  # Llama-3-8B's tensors, scaled down
     for r in result["rounds"]:
-        assert r["read_s"] > 0 and r["first_start_s"] > 0
-        assert r["later_start_s"] < r["first_start_s"]  # a stat per file, not a read
+        assert r["read_s"] > 0 and r["first_start_s"] > 0 and r["later_cold_s"] > 0
+        assert r["later_start_s"] < r["first_start_s"]  # a stat per file and the sample, not a read
     assert list(tmp_path.iterdir()) == []  # it cleans up its checkpoint
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import wait_for
 
-from kvpool.connectors.hf import HFConnector, _cache_argument, tiny_llama
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import cache_argument, tiny_llama
 from kvpool.connectors.pools import close_local_pools
 
 CHUNK = 32
@@ -39,7 +40,7 @@ def suffix_on_computed_kv(model, ids, hit):
     """Logits of ``ids[hit:]`` on the prefix KV the model computes itself (no pool)."""
     from transformers import DynamicCache
 
-    arg = _cache_argument(model)
+    arg = cache_argument(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, use_cache=True, **{arg: cache})
@@ -126,7 +127,7 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
     from kvpool.cluster.bootstrap import up
     from kvpool.cluster.pool import local_cluster_pool
     from kvpool.cluster.shard import shard_name
-    from kvpool.connectors.hf import model_spec
+    from kvpool.connectors.hf_model import model_spec
     from kvpool.tenants import Tenant
 
     spec = model_spec(model, model_id="test/tiny-llama", chunk_tokens=CHUNK)
@@ -154,7 +155,7 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
 
 
 def test_a_refused_save_is_a_future_miss_not_a_failed_request(model):
-    from kvpool.connectors.hf import model_spec
+    from kvpool.connectors.hf_model import model_spec
     from kvpool.pool import LocalPool
     from kvpool.tenants import Tenant, TenantRegistry
 

@@ -8,7 +8,8 @@ import torch
 
 from kvpool import Tenant, TenantRegistry
 from kvpool.auth import Authority, new_secret
-from kvpool.connectors.hf import HFConnector, model_spec, tiny_llama
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import model_spec, tiny_llama
 from kvpool.pool import LocalPool
 
 CHUNK = 32

@@ -19,7 +19,8 @@ import torch
 
 from kvpool.cluster.controller import Reports
 from kvpool.cluster.ops import format_stats
-from kvpool.connectors.hf import HFConnector, tiny_llama
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import tiny_llama
 from kvpool.connectors.pools import PoolHealth, Reporter, check_config, open_pool, spec_for
 from kvpool.errors import BadRequest, Unavailable
 

@@ -12,7 +12,8 @@ from conftest import IN_CI
 
 from kvpool.codec import POOL_PARAMS, ChunkCodec, pool_params, stored_nbytes
 from kvpool.connectors import smollm2
-from kvpool.connectors.hf import HFConnector, _cache_argument, tiny_llama
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import cache_argument, tiny_llama
 from kvpool.connectors.pools import check_config, close_local_pools, open_pool, spec_for
 from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.kernels.quant import dequantize, quantize
@@ -174,7 +175,7 @@ def suffix_on_kv(model, ids, chunks):
     for layer in range(kv.shape[0]):
         cache.update(kv[layer, 0].permute(1, 0, 2)[None], kv[layer, 1].permute(1, 0, 2)[None], layer)
     with torch.no_grad():
-        return model(input_ids=ids[:, kv.shape[2]:], use_cache=True, **{_cache_argument(model): cache}).logits
+        return model(input_ids=ids[:, kv.shape[2]:], use_cache=True, **{cache_argument(model): cache}).logits
 
 
 @pytest.mark.parametrize("fmt", LOSSY)

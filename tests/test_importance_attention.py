@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from kvpool.connectors.compress import chunk_attention
-from kvpool.connectors.hf import HFConnector, tiny_llama
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import tiny_llama
 from kvpool.connectors.pools import close_local_pools
 from kvpool.pool import LocalPool
 from kvpool.spec import KVSpec

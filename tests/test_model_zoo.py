@@ -4,8 +4,10 @@ For each family and prompt length around its chunk size and window: a first requ
 prompt's whole chunks, a second loads them; its next-token logits must equal one plain forward of
 the whole prompt (fp32, within 1e-4 of the logits' scale) and its 20 greedy tokens those of the
 model decoding on its own. A second turn that extends the prompt reuses the first turn's chunks
-the same way. Negative controls show the comparison sees wrong KV, including the KV that
-transformers' own sliding-window cache would have handed us; families the pool cannot serve
+the same way, and a batch of prompts (padded left or right, or ragged) is served row by row: each
+row's logits are its own recompute's. A checkpoint saved over a loaded model's folder never lends
+the loaded model its fingerprint. Negative controls show the comparison sees wrong KV, including the
+KV that transformers' own sliding-window cache would have handed us; families the pool cannot serve
 are refused at construction.
 """
 
@@ -15,9 +17,12 @@ import pytest
 import torch
 import zoo
 
+from kvpool.connectors import compress
 from kvpool.connectors.families import UnsupportedModel
-from kvpool.connectors.hf import HFConnector, _cache_argument
+from kvpool.connectors.hf import HFConnector
+from kvpool.connectors.hf_model import cache_argument
 from kvpool.connectors.pools import close_local_pools
+from kvpool.errors import BadRequest
 
 GREEDY = 20
 
@@ -63,6 +68,108 @@ def test_a_second_turn_reuses_the_first(family):
     assert within(r.logits[0, -1], want_logits) and tokens == want_tokens
 
 
+def padded(rows: list[torch.Tensor], side: str, pad: int = 0):
+    """(input_ids, attention_mask) of ``[1, n_i]`` rows as one batch padded on ``side``; "ragged":
+    (a list of token lists, None)."""
+    if side == "ragged":
+        return [r[0].tolist() for r in rows], None
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = r.shape[1]
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        ids[i, cols], mask[i, cols] = r[0], 1
+    return ids, mask
+
+
+@torch.no_grad()
+def every_logit(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[n, vocab]``: the logits of every position of one plain forward of the prompt ``[1, n]``."""
+    from transformers import DynamicCache
+
+    return model(input_ids=ids, use_cache=True, **{cache_argument(model): DynamicCache(config=model.config)}).logits[0]
+
+
+@pytest.mark.parametrize("side", ["left", "right", "ragged"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_batch_is_served_row_by_row(family, size, side):
+    """Prompts sharing a prefix, submitted as one batch: each row is keyed, loaded and saved on its
+    own (never as the rows' concatenation), and its logits are its own recompute's, on the first
+    request (row 0 saves the shared chunks, the others load them) and on the second (all load)."""
+    name, model, conn = family
+    c = conn.spec.chunk_tokens
+    seed = 1000 + 10 * size + ["left", "right", "ragged"].index(side)
+    shared = zoo.prompt(2 * c + 3, seed=seed)
+    rows = [torch.cat([shared, zoo.prompt(c // 2 + 7 * i + 1, seed=seed + 1 + i)], dim=1) for i in range(size)]
+    want = [every_logit(model, r) for r in rows]
+    ids, mask = padded(rows, side)
+    for turn in ("first", "second"):
+        results = conn.prefill(ids, attention_mask=mask)
+        assert isinstance(results, list) and len(results) == size, (name, turn)
+        for i, (r, row, logits) in enumerate(zip(results, rows, want)):
+            n = row.shape[1]
+            assert r.prompt_tokens == n, (name, turn, i)
+            hit = (0 if i == 0 else 2 * c) if turn == "first" else min(n // c * c, n - 1)
+            assert r.loaded_tokens == hit, (name, turn, i, r.loaded_tokens)
+            assert r.logits.shape[1] == n - hit
+            assert within(r.logits[0], logits[hit:]), (name, turn, i, (r.logits[0] - logits[hit:]).abs().max())
+    tokens, results = conn.generate(ids, max_new_tokens=6, attention_mask=mask)
+    assert tokens == [zoo.reference(model, row, 6)[1] for row in rows], name
+
+
+def test_shapes_a_batch_cannot_be_served_in_are_refused():
+    close_local_pools()
+    model = zoo.build("llama")
+    conn = HFConnector(model, config={"chunk_tokens": zoo.CHUNK, "dram_mib": 16, "pool": "zoo-shapes"})
+    ids = zoo.prompt(2 * zoo.CHUNK, seed=4).repeat(2, 1)
+    holes = torch.ones_like(ids)
+    holes[1, 5] = 0
+    for bad, match in [
+        (dict(input_ids=ids, attention_mask=holes), "padding between real tokens"),
+        (dict(input_ids=ids, attention_mask=torch.ones(2, 3)), "shape"),
+        (dict(input_ids=ids, attention_mask=torch.zeros_like(ids)), "no real token"),
+        (dict(input_ids=ids[None]), "shape"),
+        (dict(input_ids=[[1, 2, 3], [4, 5]], attention_mask=[[1, 1, 1], [1, 1, 0]]), "ragged"),
+        (dict(input_ids=ids.float()), "integer"),
+        (dict(input_ids=[[]]), "empty"),
+    ]:
+        with pytest.raises(BadRequest, match=match):
+            conn.prefill(**bad)
+    before = conn.pool.lookup("default", conn.pool.keys("default", ids[0].tolist()))
+    assert before == 0  # nothing refused was saved
+    with pytest.raises(BadRequest, match="call it once per row"):  # one prompt only: refused, not merged
+        compress.prompt_queries(model, conn.prefill(ids[:1]).cache, ids, 4)
+    close_local_pools()
+
+
+def test_a_checkpoint_saved_over_a_loaded_model_does_not_lend_it_its_fingerprint(family, tmp_path):
+    """Model A is loaded from a folder, then checkpoint B is saved over it (a fine-tune over its
+    base) before A's connector is built: A must be keyed by its own tensors, not B's files, so B
+    loads none of A's KV and answers as its own recompute; each model still hits its own chunks."""
+    from transformers import AutoModelForCausalLM
+
+    name, _, fixture_conn = family
+    c = fixture_conn.spec.chunk_tokens
+    folder = str(tmp_path / "ckpt")
+    pool = {"chunk_tokens": c, "dram_mib": 64, "pool": f"zoo-ckpt-{name}"}
+    zoo.build(name, seed=0).save_pretrained(folder)
+    a = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    zoo.build(name, seed=1).save_pretrained(folder)
+    b = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    conn_a, conn_b = HFConnector(a, config=pool, model_id="org/same"), HFConnector(b, config=pool, model_id="org/same")
+    assert conn_a.spec.weights.startswith("tensors:"), (name, conn_a.spec.weights)
+    assert conn_a.spec.fingerprint() != conn_b.spec.fingerprint()
+    if name != "deepseek-v3-mla":  # its experts are fused on load: no folder vouches for it (weights_sample)
+        assert conn_b.spec.weights.startswith("files:"), (name, conn_b.spec.weights)
+    ids = zoo.prompt(3 * c + 2, seed=40)
+    assert conn_a.prefill(ids).saved_chunks == 3
+    r = conn_b.prefill(ids)
+    assert r.loaded_tokens == 0, name
+    assert within(r.logits[0, -1], zoo.reference(b, ids, 1)[0])
+    assert conn_a.prefill(ids).loaded_tokens == 3 * c  # A's own chunks are still A's
+
+
 def test_the_spec_says_what_each_layer_is(family):
     name, model, conn = family
     expected = {
@@ -105,7 +212,7 @@ def test_chunks_cut_from_transformers_own_sliding_cache_would_be_wrong():
     conn = HFConnector(model, config={"chunk_tokens": zoo.CHUNK, "dram_mib": 16, "pool": "zoo-old"})
     ids = zoo.prompt(zoo.WINDOW + 10, seed=3)  # 50 tokens: the window keeps 11..49
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids, use_cache=True, **{_cache_argument(model): cache})
+    model(input_ids=ids, use_cache=True, **{cache_argument(model): cache})
     assert cache.layers[0].keys.shape[2] == zoo.WINDOW - 1  # it dropped the oldest tokens
     old = torch.stack([torch.stack([layer.keys[0, :, :zoo.CHUNK], layer.values[0, :, :zoo.CHUNK]])
                        for layer in cache.layers]).permute(0, 1, 3, 2, 4).contiguous()

@@ -67,7 +67,8 @@ def test_connectors_report_their_break_even_to_kvpool_stats(pool):
     from kvpool.cluster.controller import CONTROLLER
     from kvpool.cluster.ops import format_stats
     from kvpool.cluster.pool import ClusterPool
-    from kvpool.connectors.hf import HFConnector, model_spec, tiny_llama
+    from kvpool.connectors.hf import HFConnector
+    from kvpool.connectors.hf_model import model_spec, tiny_llama
     from kvpool.errors import LayoutMismatch
     from kvpool.tenants import Tenant
 

@@ -28,7 +28,7 @@ def test_page_is_the_chunk_the_transformers_connector_stores(family, tmp_path):
     """The layout read from the config alone equals what the connector finds in the model's real
     cache (one probe token): same kinds, heads and widths, so the same chunk bytes."""
     from kvpool.cluster.sizing import kv_layout, model_chunk
-    from kvpool.connectors.hf import model_layout, model_spec
+    from kvpool.connectors.hf_model import model_layout, model_spec
 
     zoo.config(family).save_pretrained(tmp_path)
     model = zoo.build(family)

@@ -90,9 +90,9 @@ def reference(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, 
     next-token logits after one forward of the whole prompt, and ``new_tokens`` greedy tokens."""
     from transformers import DynamicCache
 
-    from kvpool.connectors.hf import _cache_argument
+    from kvpool.connectors.hf_model import cache_argument
 
-    arg = _cache_argument(model)
+    arg = cache_argument(model)
     cache = DynamicCache(config=model.config)  # transformers' own: sliding layers keep only their window
     logits = model(input_ids=ids, use_cache=True, **{arg: cache}).logits[0, -1]
     tokens, nxt = [], int(logits.argmax())

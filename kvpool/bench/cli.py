@@ -312,7 +312,8 @@ def add_bench_parser(sub) -> None:
                     help="vllm-server with --backend node: also the in-process pool, in the same run")
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_bench_ttft)
-    bw = bsub.add_parser("weights", help="cost of the weights fingerprint: first start and cached, beside a plain read")
+    bw = bsub.add_parser("weights", help="cost of keying a model by its checkpoint (the files fingerprint and the "
+                         "sample of the loaded tensors): first start and later ones, beside a plain read")
     bw.add_argument("--size-gib", type=float, default=16.0, help="size of the simulated checkpoint")
     bw.add_argument("--rounds", type=int, default=3)
     bw.add_argument("--dir", default=None, help="where to write it (default /var/tmp)")

@@ -104,19 +104,27 @@ def test_sglang_keys_are_stripped_and_unknown_keys_are_refused():
 
 def test_the_backend_names_the_weights_and_refuses_what_it_cannot_serve(tmp_path):
     """Keys carry the checkpoint's content: the folder SGLang serves is fingerprinted like the
-    transformers connector does it; a checkpoint rewritten in place gets another fingerprint; a
-    model that is no folder needs ``model_weights``; sliding-window models are refused."""
+    transformers connector does it, once SGLang has loaded it (here: noted as SGLang's scheduler
+    process would be, by its start); a checkpoint rewritten in place after loading is refused, and
+    gets another fingerprint once loaded again; a model that is no folder needs ``model_weights``;
+    sliding-window models are refused."""
     from tinymodel import save_tiny_llama
 
     from kvpool.connectors.families import UnsupportedModel
     from kvpool.connectors.sglang import model_identity
-    from kvpool.connectors.weights import files_fingerprint
+    from kvpool.connectors.weights import files_fingerprint, note_loading
     from kvpool.errors import BadRequest
 
     folder = save_tiny_llama(tmp_path / "m", seed=0)
+    with pytest.raises(BadRequest, match="changed after this engine process started"):
+        model_identity(folder, None)  # written after this process started, never noted as loaded
+    note_loading(folder)
     first, kinds, scope = model_identity(folder, None)
     assert first == files_fingerprint(folder) and kinds == ("full", "full") and scope == ""  # Llama: shared
     save_tiny_llama(tmp_path / "m", seed=1)  # another checkpoint, same name and shape, same folder
+    with pytest.raises(BadRequest, match="changed after this engine began loading it"):
+        model_identity(folder, None)
+    note_loading(folder)
     assert model_identity(folder, None)[0] != first
     assert model_identity(folder, "mine@v1")[0] == "given:mine@v1"
     with pytest.raises(BadRequest, match="model_weights"):

@@ -32,6 +32,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 from tinymodel import save_tiny_llama  # noqa: E402
 
+from kvpool.connectors.weights import note_loading  # noqa: E402
+
 CHECK = [sys.executable, "-m", "kvpool.connectors.gpu_check"]
 
 
@@ -86,6 +88,7 @@ def test_the_servers_extra_config_builds_kvpools_backend_through_sglangs_factory
     secret = "k" * 64
     plan = gpu_check_sglang.make_plan(str(tmp_path), sys.executable, secret)
     save_tiny_llama(plan["model"], seed=0)  # the folder SGLang serves (its name is the model name it passes)
+    note_loading(plan["model"])  # as SGLang's scheduler process (started after it was written) loads it
     extra = json.loads(option(plan["servers"][0], "--hicache-storage-backend-extra-config"))
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
@@ -148,6 +151,7 @@ def test_kvpool_connect_sglang_builds_kvpools_backend_through_sglangs_factory(tm
     assert r.returncode == 0, r.stderr
     extra = json.loads(r.stdout)
     model = save_tiny_llama(tmp_path / "model", seed=0)
+    note_loading(str(model))  # as SGLang's scheduler process (started after it was written) loads it
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
                                model_name=str(model), extra_config=extra)

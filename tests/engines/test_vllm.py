@@ -124,6 +124,22 @@ def test_batch_mixes_hits_and_misses(engine):
     assert_same(got[1], ref_cold)
 
 
+def test_concurrent_prompts_sharing_a_prefix_each_get_their_own(engine):
+    """Four prompts sharing two chunks, submitted together (scheduled in the same steps, the
+    chunked prefill interleaving them): cold, each computes and saves under its own keys; warm,
+    each loads its own whole chunks; both times each answers as its own uncached run."""
+    shared = random_prompt(2 * CHUNK, seed=30)
+    rows = [shared + random_prompt(40 + 37 * i, seed=31 + i) for i in range(4)]  # 168, 205, 242, 279 tokens
+    refs = [engine.run(r, salt=UNCACHED) for r in rows]
+    cold = engine.run_batch(rows)
+    warm = engine.run_batch(rows)
+    assert [w[2] for w in warm] == [len(r) // CHUNK * CHUNK for r in rows]  # 128, 192, 192, 256
+    assert warm[0][3].get("loaded_tokens") == 128 + 192 + 192 + 256
+    for ref, c, w in zip(refs, cold, warm):
+        assert_same(c, ref)
+        assert_same(w, ref)
+
+
 def test_full_hit_leaves_last_token(engine):
     prompt = random_prompt(4 * CHUNK, seed=2)  # exactly 4 chunks
     cold = engine.run(prompt)

@@ -263,6 +263,46 @@ def test_layouts_share_pages():
             assert torch.equal(got, want), f"{w_layout} -> {r_layout}"
 
 
+def test_concurrent_requests_keep_their_own_pages():
+    """Two requests that share their first page, backed up and prefetched at once from two threads
+    (SGLang's backup and prefetch threads call the backend concurrently), then one batch mixing
+    both requests' pages: every key reads back its own request's bytes, wherever it sits in a
+    batch (a page key names its whole prefix; nothing is read by position across requests)."""
+    import threading
+
+    host = make_host("page_first", "float32")
+    backend = make_backend(host, "concurrent")
+    first = list(range(1000, 1000 + PAGE))
+    keys = {r: get_storage_hash_str(RadixKey(first + list(range(5000 + 1000 * i, 5000 + 1000 * i + 3 * PAGE))),
+                                    None, page_size=PAGE) for i, r in enumerate("ab")}
+    assert keys["a"][0] == keys["b"][0] and not set(keys["a"][1:]) & set(keys["b"][1:])
+    src = {"a": [1, 2, 3, 4], "b": [1, 5, 6, 7]}  # the shared first page is one host page
+    dst = {"a": [10, 11, 12, 13], "b": [20, 21, 22, 23]}
+    want = {k: page_bytes(host, p) for r in "ab" for k, p in zip(keys[r], src[r])}
+    errors = []
+
+    def serve(r):
+        try:
+            for _ in range(20):
+                assert backend.batch_set_v1(keys[r], slots(src[r])) == [True] * 4
+                assert backend.batch_get_v1(keys[r], slots(dst[r])) == [True] * 4
+                for k, p in zip(keys[r], dst[r]):
+                    assert same(page_bytes(host, p), want[k]), (r, p)
+        except AssertionError as e:  # reported below: an assert in a thread fails nothing by itself
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(r,)) for r in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    mixed = [keys["b"][2], keys["a"][1], keys["b"][3], keys["a"][3]]
+    assert backend.batch_get_v1(mixed, slots([24, 25, 26, 27])) == [True] * 4
+    assert all(same(page_bytes(host, p), want[k]) for k, p in zip(mixed, [24, 25, 26, 27]))
+    assert backend.batch_exists(keys["a"] + keys["b"]) == 8
+
+
 def test_tenant_isolation_salt_in_extra_info():
     host = make_host("page_first")
     backend = make_backend(host, "s")
