@@ -34,19 +34,14 @@ from kvpool.cluster.shard_access import where, who
 from kvpool.errors import BadRequest, KvPoolError
 from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import wire
+from kvpool.node.paths import RUN_DIR_ENV, node_paths, run_dir
 from kvpool.node.staging import SUFFIX as STAGE_SUFFIX
 from kvpool.node.table import PageTable
 
 log = logging.getLogger("kvpool.node")
-RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 PEER_OPS = frozenset({"peer_get"})
 MAX_KEYS = 2048  # chunks in one call
 CONNECTION_OPS = frozenset({"stage", "put_staged", "get"})
-
-
-def run_dir() -> str | None:
-    d = os.environ.get(RUN_DIR_ENV) or "/dev/shm"
-    return d if os.path.isdir(d) else None
 
 
 def serve_node(shard, index_url: str | None):
@@ -56,7 +51,7 @@ def serve_node(shard, index_url: str | None):
     from kvpool.slab import sweep_orphans
 
     where = run_dir()
-    if where is None:
+    if not os.path.isdir(where):
         log.warning("shard %s: no run dir (%s): engines of this node cannot reach it", shard.shard_id, RUN_DIR_ENV)
         return None
     for suffix in (".kvtable", STAGE_SUFFIX):
@@ -64,11 +59,6 @@ def serve_node(shard, index_url: str | None):
             log.warning("shard %s: removed %s of a shard that is gone", shard.shard_id, path)
     return NodeServer(shard, where, ray.get_runtime_context().namespace, index_url,
                       host=ray.util.get_node_ip_address())
-
-
-def node_paths(directory: str, pool: str, shard_id: str) -> dict[str, str]:
-    base = os.path.join(directory, f"kvpool-{pool}-{shard_id}")
-    return {"socket": base + ".sock", "table": base + ".kvtable", "node": base + ".node"}
 
 
 class NodeServer(NodeWrites):

@@ -11,7 +11,7 @@ import time
 from kvpool.checksum import copy_with_checksum
 from kvpool.cluster.messages import Put, Write
 from kvpool.cluster.shard_access import joined_request, who, writer
-from kvpool.errors import BadRequest, KvPoolError, PoolFull, Unavailable
+from kvpool.errors import BadRequest, KvPoolError, PoolFull, ReservationGone, Unavailable
 from kvpool.node.staging import STAGE_BYTES, Stage
 
 
@@ -82,7 +82,7 @@ class NodeWrites:
         index just after (cluster/publisher.py), off the engine's path."""
         shard = self.shard
         if not isinstance(hold, int) or shard.store.hold_owner(hold) != who(shard, credential).tenant:
-            raise BadRequest(f"no reservation {hold} of this caller: it was committed, aborted or expired")
+            raise ReservationGone(f"no reservation {hold} of this caller: it was committed, aborted or expired")
         n = shard.store.commit(hold, checksums)
         self.publisher.enqueue(shard._reserved.pop(hold, [])[:n])
         return n

@@ -15,7 +15,6 @@ import torch
 from kvpool.auth import claimed_tenant, is_credential, namespace_salt
 from kvpool.codec import Formats, page_bytes, stored_nbytes
 from kvpool.errors import BadRequest, Unauthorized, UnknownTenant
-from kvpool.keying import KeyedPool
 from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
 from kvpool.pool import OwnedChunk
 from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
@@ -25,7 +24,7 @@ from kvpool.tenants import Tenant
 log = logging.getLogger(__name__)
 
 
-class ClusterPool(KeyedPool):
+class ClusterPool:
     """Every ``tenant`` argument is the tenant's credential on a secured pool (kvpool.auth; the
     shards verify it on every call), its id on an open one."""
 
@@ -50,7 +49,6 @@ class ClusterPool(KeyedPool):
         if pages and any(t.encrypt for t in tenants) and min(pages) < need + SEAL_OVERHEAD:
             raise BadRequest(f"a tenant seals its payloads: start the pool with a page size >= "
                              f"{need + SEAL_OVERHEAD} (the chunk and {SEAL_OVERHEAD} B of seal)")
-        self._keys = self._formats.maker()
         self._local = threading.local()  # load_views' reused buffers, per thread
 
     @property

@@ -36,16 +36,16 @@ from kvpool.cluster.messages import (
 )
 from kvpool.cluster.shard_access import joined_request, where, who, writer
 from kvpool.cluster.shard_drills import DRILLS_ENV, Drills
-from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded, Unavailable
+from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded, ReservationGone, Unavailable
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
+from kvpool.node.paths import run_dir
 from kvpool.sizing import resolve_store
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
 __all__ = ["DRILLS_ENV", "ShardActor", "shard_name", "tenants_to_register"]
 log = logging.getLogger("kvpool.shard")
-SHM_DIR = "/dev/shm"
 RECONCILE_EVERY = 6  # heartbeats (ttl/3 each) between two reconciles with the index
 
 
@@ -73,7 +73,7 @@ class ShardActor(Drills):
         # The pool secret comes with the actor's environment (bootstrap.up) or a mounted file.
         self.auth = Authority.from_env()
         cfg = resolve_store(store)  # a tier asked for in bytes or as a share of memory: pages on THIS node
-        run = os.environ.get("KVPOOL_RUN_DIR") or SHM_DIR  # beside the node files: engines map it from there
+        run = run_dir()  # beside the node files: engines map it from there
         cfg.setdefault("dram_dir", run if os.path.isdir(run) else None)
         cfg["name"] = f"{pool}-{shard_id}"
         if cfg["dram_dir"]:
@@ -243,7 +243,7 @@ class ShardActor(Drills):
     def commit(self, msg: Commit) -> int:
         check_version(msg, "this shard")
         if not self._own_hold(msg.hold_id, msg.credential):
-            raise BadRequest(f"no reservation {msg.hold_id} of this caller: it was committed, aborted or expired")
+            raise ReservationGone(f"no reservation {msg.hold_id} of this caller: it was committed, aborted or expired")
         n = self.store.commit(msg.hold_id, msg.checksums)
         self._publish(self._reserved.pop(msg.hold_id, [])[:n])
         return n

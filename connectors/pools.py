@@ -310,7 +310,7 @@ class PoolHealth:
             return self._up
         self._checked = now
         client = getattr(self.pool, "client", None)
-        up = client is None or not hasattr(client, "_node_files") or bool(client.shards)  # a NodeClient: look
+        up = client is None or not hasattr(client, "node_files") or bool(client.shards)  # a NodeClient: look
         if up != self._up:
             if up:
                 self.degraded_s += now - self._down_since

@@ -97,7 +97,7 @@ def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_to
 def load_model(name: str):
     """``demo`` (the demo's random-weight Llama) or a local transformers model directory."""
     if name == "demo":
-        from kvpool.connectors.demo import demo_model
+        from kvpool.connectors.demo.run import demo_model
 
         return demo_model()
     from transformers import AutoModelForCausalLM

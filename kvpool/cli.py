@@ -12,10 +12,11 @@ from kvpool.cli_up import RAY_ADDRESS_HELP, add_up_parser
 from kvpool.connect_cli import add_connect_parser
 from kvpool.errors import BadRequest, KvPoolError
 from kvpool.jsonout import emit, json_stdout
+from kvpool.sizing import parse_size
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvpool.connectors import demo
+    from kvpool.connectors.demo import run as demo
 
     result = demo.run(args.model, args.tenants, args.conversations, args.turns, max_new_tokens=args.max_new_tokens,
                       progress=not args.json, backend=args.backend, ray_address=args.ray_address, redis=args.redis)
@@ -37,25 +38,6 @@ def _sim(args: argparse.Namespace) -> int:
         print(f"plot: {args.plot}")
     return 0
 
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "1073741824", "10GiB", "500 MB" (exact: "1.5KiB" is 1536, "0.5" is an error)."""
-    import re
-    from fractions import Fraction
-
-    m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]*)\s*", text) if isinstance(text, str) else None
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _SIZE_UNITS:
-        raise BadRequest(f"size {text!r} is not a number of bytes like 1073741824, 10GiB or 500MB")
-    size = Fraction(m.group(1)) * _SIZE_UNITS[unit]  # NOTE: exact; a float would round large sizes
-    if size.denominator != 1:
-        raise BadRequest(f"size {text!r} is not a whole number of bytes: use a smaller unit or a whole number")
-    return int(size)
 
 
 def _index_from(args: argparse.Namespace):

@@ -7,7 +7,7 @@ import sys
 
 from kvpool.errors import BadRequest
 from kvpool.policies import describe_policies
-from kvpool.sizing import DEFAULT_DRAM, DEFAULT_PAGE, MAX_SHARE_PERCENT, MIN_PAGES, mib, parse_tier
+from kvpool.sizing import DEFAULT_DRAM, DEFAULT_PAGE, MAX_SHARE_PERCENT, MIN_PAGES, mib, parse_size, parse_tier
 from kvpool.spec import DTYPE_BYTES, STORAGE_FORMATS
 
 RAY_ADDRESS_HELP = ("the Ray cluster to use (default: $RAY_ADDRESS when set, else the local Ray head an earlier "
@@ -59,8 +59,6 @@ def add_up_parser(sub, func) -> None:
 
 def up_store(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """(the shards' store config, the model's chunk or None), checked before any Ray is touched."""
-    from kvpool.cli import parse_size
-
     chunk = None
     if args.model:
         from kvpool.cluster.sizing import model_chunk

@@ -113,6 +113,13 @@ class RequestCancelled(KvPoolError):
         self.priority = priority
 
 
+class ReservationGone(KvPoolError):
+    """A write's reservation is no longer there (committed, aborted, expired, or its shard
+    restarted): nothing was written, a failed write rather than the caller's bad input."""
+
+    status = 410
+
+
 class PoolFull(KvPoolError):
     """No page can be freed: every resident chunk is leased (being read or in flight)."""
 

@@ -38,19 +38,3 @@ class KeyMaker:
              extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
         ns = self.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
         return chunk_keys(tokens, ns, self.spec.chunk_tokens, kind=SharedKey if shared else ChunkKey)
-
-
-class KeyedPool:
-    """``namespace`` and ``keys`` of a pool, from the :class:`KeyMaker` it keeps as ``_keys``
-    (both pools inherit them, so they key prompts the same way)."""
-
-    _keys: KeyMaker
-
-    def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
-                  extra_keys: Sequence[str | bytes] = ()) -> Namespace:
-        return self._keys.namespace(tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
-
-    def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
-             extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
-        """The chunk keys of a prompt's whole chunks in the tenant's (or the shared) namespace."""
-        return self._keys.keys(tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)

@@ -14,7 +14,6 @@ import torch
 from kvpool.auth import Authority, Principal, namespace_salt, scope_tag, scoped
 from kvpool.codec import ChunkCodec, Formats, page_bytes, torch_dtype
 from kvpool.errors import BadRequest, Forbidden
-from kvpool.keying import KeyedPool
 from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
 from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
@@ -50,7 +49,7 @@ class KVView:
         self.release()
 
 
-class LocalPool(KeyedPool):
+class LocalPool:
     """A single-node pool for one KV spec (one model layout).
 
     With an ``authority`` that holds a pool secret, every ``tenant`` argument is a credential
@@ -68,7 +67,6 @@ class LocalPool(KeyedPool):
         self.spec = spec
         self.store = store
         self.auth = authority if authority is not None else Authority(None)
-        self._keys = self._formats.maker()
         self._sealers: dict[str, Sealer] = {}
 
     @classmethod

@@ -28,11 +28,25 @@ DEFAULT_PAGE = "32MiB"
 _SHARE = re.compile(r"\s*(\d{1,3}(?:\.\d{1,6})?)\s*%\s*")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "10GiB", "500 MB" (exact: "1.5KiB" is 1536, "0.5" is an error)."""
+    m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([a-zA-Z]*)\s*", text) if isinstance(text, str) else None
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _SIZE_UNITS:
+        raise BadRequest(f"size {text!r} is not a number of bytes like 1073741824, 10GiB or 500MB")
+    size = Fraction(m.group(1)) * _SIZE_UNITS[unit]  # NOTE: exact; a float would round large sizes
+    if size.denominator != 1:
+        raise BadRequest(f"size {text!r} is not a whole number of bytes: use a smaller unit or a whole number")
+    return int(size)
+
+
 def parse_tier(text: str, flag: str) -> int | str:
     """``"64GiB"`` -> 68719476736 (bytes); ``"25%"`` -> ``"25%"`` (a share of each node's memory,
     resolved by the shard on its node). Shares are in (0, 90]%."""
-    from kvpool.cli import parse_size  # NOTE: the CLI's parser (binary units, exact)
-
     if not isinstance(text, str):
         raise BadRequest(f"{flag} is a size like 64GiB or a share like 25%, got {type(text).__name__}")
     if "%" in text:

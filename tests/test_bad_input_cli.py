@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool import BadRequest
-from kvpool.cli import _SIZE_UNITS, main, parse_size, parse_tenant
+from kvpool.cli import main, parse_tenant
 from kvpool.index.redis_index import RedisIndex
+from kvpool.sizing import _SIZE_UNITS, parse_size
 
 BAD = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from kvpool.cluster import bench_datapath as datapath
+from kvpool.cluster.bench import datapath
 
 # What `kvpool bench datapath --json` promises (docs/benchmarks.md): the three ratios and the GB/s
 # of each path, beside the run's shape.

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from kvpool.cluster import bench_node
+from kvpool.cluster.bench import node as bench_node
 
 OPS = ("put", "get_same", "get_cross", "get_same_no_outs", "get_cross_no_outs")
 

@@ -11,8 +11,10 @@ import torch
 from conftest import IN_CI
 
 from kvpool.cli import main
-from kvpool.connectors import bench_quality as bq
-from kvpool.connectors import compress, quality_text, smollm2
+from kvpool.connectors import compress
+from kvpool.connectors.bench import quality as bq
+from kvpool.connectors.bench import quality_text
+from kvpool.connectors.demo import smollm2
 
 FIELDS = {"kind", "method", "budget", "bytes_ratio", "bytes_ratio_16bit", "greedy_match", "greedy_prefix",
           "ppl_ratio", "kl"}

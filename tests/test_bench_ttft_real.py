@@ -11,7 +11,8 @@ import sys
 import pytest
 from conftest import IN_CI
 
-from kvpool.connectors import bench_ttft_real, smollm2
+from kvpool.connectors.bench import ttft_real as bench_ttft_real
+from kvpool.connectors.demo import smollm2
 from kvpool.errors import BadRequest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

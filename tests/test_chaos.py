@@ -11,7 +11,7 @@ import shutil
 import pytest
 from conftest import IN_CI
 
-from kvpool.cluster import chaos
+from kvpool.cluster.bench import chaos
 
 FAULTS = ["shard-kill", "controller-restart", "redis-stop"]
 RECOVERY_BOUND_S = 15.0  # from the fault to whole reads again (the Redis stop itself lasts 3 s)

@@ -15,8 +15,8 @@ from conftest import IN_CI
 from transformers import DynamicCache
 
 from kvpool.connectors import compress as C
-from kvpool.connectors import smollm2
 from kvpool.connectors.compress_store import check_compress, derived_keys
+from kvpool.connectors.demo import smollm2
 from kvpool.connectors.hf import HFConnector
 from kvpool.connectors.hf_model import model_spec, tiny_llama
 from kvpool.connectors.pools import close_local_pools

@@ -214,7 +214,7 @@ def test_a_pool_that_starts_while_the_connector_waits_is_found(tmp_path, monkeyp
         pool, shard, directory, timeout_s = "startup", None, str(tmp_path), 0.3
         calls = 0
 
-        def _node_files(self):
+        def node_files(self):
             return [str(path)] if path.exists() else []
 
         def _call(self, op, args):

@@ -17,8 +17,10 @@ import pytest
 from conftest import IN_CI
 
 from kvpool import cli
-from kvpool.connectors import demo, demo_chat, smollm2
-from kvpool.connectors.demo_workload import plan
+from kvpool.connectors.demo import chat as demo_chat
+from kvpool.connectors.demo import run as demo
+from kvpool.connectors.demo import smollm2
+from kvpool.connectors.demo.workload import plan
 from kvpool.errors import BadRequest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import torch
 from conftest import IN_CI
 
 from kvpool.codec import POOL_PARAMS, ChunkCodec, pool_params, stored_nbytes
-from kvpool.connectors import smollm2
+from kvpool.connectors.demo import smollm2
 from kvpool.connectors.hf import HFConnector
 from kvpool.connectors.hf_model import cache_argument, tiny_llama
 from kvpool.connectors.pools import check_config, close_local_pools, open_pool, spec_for

@@ -6,8 +6,8 @@ import pytest
 
 from kvpool import BadRequest
 from kvpool.bench import index as bench_index
-from kvpool.cli import parse_size
 from kvpool.index.redis_index import RedisIndex
+from kvpool.sizing import parse_size
 
 
 def kvpool(*args, env=None, check=True):

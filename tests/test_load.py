@@ -2,7 +2,7 @@
 `kvpool bench soak --seconds 600`): zero wrong bytes, only typed errors, latency within the
 timeout, and memory that stops growing after warm-up."""
 
-from kvpool.cluster import soak
+from kvpool.cluster.bench import soak
 
 
 def test_concurrent_clients_get_only_right_bytes_and_memory_stays_bounded():

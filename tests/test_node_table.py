@@ -16,7 +16,8 @@ import xxhash
 import kvpool.node.table as table_mod
 from kvpool.checksum import checksum, copy_with_checksum
 from kvpool.errors import BadRequest
-from kvpool.node.table import HEADER_BYTES, SLOT_BYTES, PageTable, capacity_for
+from kvpool.node.table import PageTable
+from kvpool.node.table_file import HEADER_BYTES, SLOT_BYTES, capacity_for
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 

@@ -10,6 +10,7 @@ from conftest import make_keys, payload
 
 from kvpool import BadRequest, ChunkStore, QuotaExceeded, StoreConfig, Tenant, TenantRegistry
 from kvpool.checksum import checksum, copy_with_checksum
+from kvpool.errors import ReservationGone
 from kvpool.slab import Slab
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -73,8 +74,9 @@ def test_reservations_charge_quota_up_front_and_abort_or_expire_gives_it_back(tm
         hid, places = s.reserve(keys[:2], [1000, 1000], "a", ttl_s=0.0)
         assert s.expire_holds() == 1  # the writer never came back
         assert s.tenants.usage("a") == 0 and len(s) == 0
-        with pytest.raises(BadRequest, match="expired"):
+        with pytest.raises(ReservationGone, match="expired") as e:  # a failed write, not the caller's bad input
             s.commit(hid, [0, 0])
+        assert e.value.status == 410
     finally:
         s.close()
 

@@ -54,7 +54,7 @@ def _bench_peers(args: argparse.Namespace) -> int:
 
 def _bench_datapath(args: argparse.Namespace) -> int:
     if args.rdt or args.aggregate or args.ray_client:  # the issue 5 benchmark: a Ray client of the pool
-        from kvpool.cluster import bench_datapath as datapath
+        from kvpool.cluster.bench import datapath
 
         if args.rdt:
             result = datapath.probe_rdt()
@@ -67,7 +67,7 @@ def _bench_datapath(args: argparse.Namespace) -> int:
         result = datapath.run(nodes=args.nodes, progress=not args.json)
         _show(args, result, datapath.format_table)
         return 0
-    from kvpool.cluster import bench_node
+    from kvpool.cluster.bench import node as bench_node
 
     if args.rounds < 1 or args.ops256 < 1 or args.ops32 < 1 or args.large_mib < 1 or args.dram_pages < 4:
         raise BadRequest("--rounds, --ops256, --ops32, --large-mib: at least 1; --dram-pages: at least 4")
@@ -85,7 +85,7 @@ def _bench_datapath(args: argparse.Namespace) -> int:
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
-    from kvpool.cluster import soak
+    from kvpool.cluster.bench import soak
 
     r = soak.run(seconds=args.seconds, clients=args.clients, nodes=args.nodes, progress=not args.json)
     _show(args, r, soak.format_report)
@@ -93,7 +93,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
 
 
 def _bench_chaos(args: argparse.Namespace) -> int:
-    from kvpool.cluster import chaos
+    from kvpool.cluster.bench import chaos
 
     faults = args.faults.split(",") if args.faults else None
     unknown = [f for f in faults or [] if f not in chaos.FAULTS]
@@ -122,7 +122,7 @@ def _bench_capacity(args: argparse.Namespace) -> int:
 
 
 def _bench_ttft(args: argparse.Namespace) -> int:
-    from kvpool.connectors import bench_ttft
+    from kvpool.connectors.bench import ttft as bench_ttft
 
     real = args.model == "smollm2"
     default = "1024,4096,8192" if real else "4096" if args.engine == "vllm-server" else "1024,4096,16384"
@@ -134,11 +134,11 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     rows = bench_ttft.run(args.engine, contexts, progress=True, **kw)  # progress: on stderr
     _show(args, rows, bench_ttft.format_table)
     if real:
-        from kvpool.connectors import bench_ttft_real
+        from kvpool.connectors.bench import ttft_real as bench_ttft_real
 
         why = bench_ttft_real.failures(rows)
     elif args.engine == "vllm-server":
-        from kvpool.connectors import vllm_server_bench
+        from kvpool.connectors.bench import vllm_server as vllm_server_bench
 
         why = vllm_server_bench.failures(rows)
     else:
@@ -170,7 +170,7 @@ def _bench_auth(args: argparse.Namespace) -> int:
 
 
 def _bench_weights(args: argparse.Namespace) -> int:
-    from kvpool.connectors import bench_weights
+    from kvpool.connectors.bench import weights as bench_weights
 
     try:
         result = bench_weights.run(args.size_gib, args.rounds, args.dir, progress=not args.json)
@@ -181,7 +181,7 @@ def _bench_weights(args: argparse.Namespace) -> int:
 
 
 def _bench_importance(args: argparse.Namespace) -> int:
-    from kvpool.connectors import bench_importance
+    from kvpool.connectors.bench import importance as bench_importance
 
     result = bench_importance.run(model_name=args.model, docs=args.docs, hot=args.hot, doc_tokens=args.doc_tokens,
                                   capacity=args.capacity, requests=args.requests, seeds=args.seeds,
@@ -191,7 +191,7 @@ def _bench_importance(args: argparse.Namespace) -> int:
 
 
 def _bench_sliding(args: argparse.Namespace) -> int:
-    from kvpool.connectors import bench_sliding
+    from kvpool.connectors.bench import sliding as bench_sliding
 
     rows = bench_sliding.run(args.context, args.rounds, progress=not args.json)
     _show(args, rows, bench_sliding.format_table)
@@ -199,7 +199,7 @@ def _bench_sliding(args: argparse.Namespace) -> int:
 
 
 def _bench_quality(args: argparse.Namespace) -> int:
-    from kvpool.connectors import bench_quality as bq
+    from kvpool.connectors.bench import quality as bq
 
     def names(text: str | None) -> tuple[str, ...] | None:
         return None if text is None else tuple(n for n in text.split(",") if n and n != "none")
@@ -276,7 +276,7 @@ def add_bench_parser(sub) -> None:
     bf.add_argument("--mib", type=int, default=1024, help="the pool's size in MiB (default 1024)")
     bf.add_argument("--formats", default=",".join(STORAGE_FORMATS), help="comma-separated (default: all)")
     bf.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                    help="the raw KV's dtype (default float32, as kvpool.connectors.smollm2 loads the model)")
+                    help="the raw KV's dtype (default float32, as kvpool.connectors.demo.smollm2 loads the model)")
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_bench_capacity)
     bs = bsub.add_parser("soak", help="concurrent clients on a local multi-node pool: throughput, p99, errors, RSS")

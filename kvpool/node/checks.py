@@ -6,17 +6,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.errors import BadRequest, KvPoolError
+from kvpool.errors import BadRequest
 from kvpool.keys import KEY_BYTES
 
-# What reaches the caller: its own bad input, a refused credential, its tenant's 429.
+# What reaches the caller: its own bad input, a refused credential, its tenant's 429 (a reservation
+# that expired between reserve and commit, 410, is a failed write, not the caller's)
 RAISED = (400, 401, 403, 404, 413, 429)
-
-
-def expired(e: KvPoolError) -> bool:
-    """A reservation that expired (or a shard that restarted) between reserve and commit: not the
-    caller's input, a failed write."""
-    return e.status == 400 and "no reservation" in str(e)
 
 
 def check_put(keys: Sequence[object], arrays: Sequence[np.ndarray], shared: object) -> list[bytes]:

@@ -21,14 +21,8 @@ ClusterPool runs over either. Found through ``kvpool-<pool>-<shard>.node`` in ``
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
-import socket
 import threading
-import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,19 +31,15 @@ import numpy as np
 from kvpool.auth import claimed_tenant, scope_tag, scoped
 from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
-from kvpool.errors import BadRequest, ChunkTooLarge, KvPoolError, Unavailable
+from kvpool.errors import ChunkTooLarge, KvPoolError, Unavailable
 from kvpool.index.base import MISS, PrefixHit
 from kvpool.keys import ChunkKey, is_shared
-from kvpool.node import wire
 from kvpool.node.attach import Attached as _Attached
-from kvpool.node.attach import node_stat as _stat
-from kvpool.node.checks import RAISED, check_put, expired
-from kvpool.node.staging import STAGE_BYTES, Stage
+from kvpool.node.checks import RAISED, check_put
+from kvpool.node.connection import NodeConnection
+from kvpool.node.staging import STAGE_BYTES
 
 log = logging.getLogger("kvpool.node")
-RUN_DIR_ENV = "KVPOOL_RUN_DIR"
-SHARD_ENV = "KVPOOL_SHARD"
-RECHECK_S = 1.0  # how often reads look whether the shard behind the mapped table changed
 
 
 @dataclass
@@ -65,196 +55,8 @@ class NodeRequest:
         return claimed_tenant(self.credential)
 
 
-class NodeClient:
-    def __init__(self, pool: str = "default", shard: str | None = None, directory: str | None = None,
-                 timeout_s: float = 2.0, retry_s: float = 1.0) -> None:
-        self.pool = pool
-        self.shard = shard or os.environ.get(SHARD_ENV) or None
-        self.directory = directory or os.environ.get(RUN_DIR_ENV) or "/dev/shm"
-        self.timeout_s = timeout_s
-        self.retry_s = retry_s
-        self.counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._idle: list[wire.Channel] = []
-        self._at: _Attached | None = None
-        self._next_try = 0.0
-        self._connect()  # best effort: a pool that is down now is a miss now, found later
-
-    # ---------------------------------------------------------------- finding the node's shard
-    def _node_files(self) -> list[str]:
-        if self.shard:
-            return [os.path.join(self.directory, f"kvpool-{self.pool}-{self.shard}.node")]
-        return sorted(glob.glob(os.path.join(glob.escape(self.directory), f"kvpool-{glob.escape(self.pool)}-*.node")))
-
-    def _connect(self) -> _Attached | None:
-        """Finds, maps and greets the node's shard; None when there is none now (tried again after
-        ``retry_s``)."""
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + self.retry_s
-        live = []
-        for path in self._node_files():
-            try:
-                with open(path) as f:
-                    info = json.load(f)
-                sock = self._dial(info["socket"], time.monotonic() + min(self.timeout_s, 0.5))
-                live.append((path, info, sock))
-            except (OSError, ValueError, KeyError, KvPoolError):
-                continue
-        if len(live) > 1:
-            for _, _, s in live:
-                s.close()
-            raise BadRequest(f"{len(live)} shards of pool {self.pool!r} answer on this machine: name this node's "
-                             f"with shard= (or ${SHARD_ENV}); found {[i['shard'] for _, i, _ in live]}")
-        if not live:
-            self.counts["connect_failed"] += 1
-            return None
-        path, info, sock = live[0]
-        try:
-            at = _Attached(info, path)
-        except (KvPoolError, OSError, KeyError, ValueError) as e:  # a stale or foreign node file: not a shard
-            sock.close()
-            log.warning("kvpool: cannot map the node's shard (%s); reads are misses", e)
-            return None
-        with self._lock:
-            old, self._at = self._at, at
-            idle, self._idle = self._idle, [sock]
-        for s in idle:
-            _close(s)
-        if old is not None:
-            old.close()
-        self._next_try = 0.0
-        return at
-
-    def _dial(self, path: str, deadline: float) -> wire.Channel:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(max(deadline - time.monotonic(), 0.01))
-            s.connect(path)
-            return wire.Channel(s)
-        except OSError:
-            s.close()
-            raise
-
-    def _attached(self) -> _Attached | None:
-        """The mapped shard, re-mapped when its node file changed (the shard restarted: a new
-        table and slab); None when there is none."""
-        at = self._at
-        if at is None:
-            return self._connect()
-        now = time.monotonic()
-        if now - at.checked >= RECHECK_S:
-            at.checked = now
-            if _stat(at.node_path) != at.stat or at.table.epoch != at.epoch or not at.alive():
-                self._next_try = 0.0
-                return self._connect() or self._detach(at)
-        return at
-
-    def _detach(self, at: _Attached) -> None:
-        with self._lock:
-            if self._at is at:
-                self._at = None
-        return None
-
-    # ---------------------------------------------------------------- calls on the socket
-    def _call(self, op: str, args: dict, payloads: Sequence[np.ndarray] = (),
-              outs: Sequence[np.ndarray | None] | None = None, prepare=None, after=None):
-        """(result, payloads) of one call, within ``timeout_s``. A failure of the shard or the socket
-        raises Unavailable; the shard's typed errors keep their type. ``prepare(channel, args,
-        deadline)`` runs on the channel the call goes out on and returns its arguments;
-        ``after(channel, result, payloads)`` runs on a good reply before the channel is free again
-        and returns the payloads."""
-        at = self._attached()
-        if at is None:
-            raise Unavailable(f"no shard of pool {self.pool!r} answers on this node")
-        deadline = time.monotonic() + self.timeout_s
-        with self._lock:
-            sock = self._idle.pop() if self._idle else None
-        try:
-            if sock is None:
-                sock = self._dial(at.info["socket"], deadline)
-            if prepare is not None:
-                args = prepare(sock, args, deadline)
-            ok, result, got = self._exchange(sock, op, args, payloads, outs, deadline)
-            if ok and after is not None:
-                got = after(sock, result, got)
-        except (OSError, KvPoolError) as e:
-            if sock is not None:
-                _close(sock)
-            if isinstance(e, OSError):
-                self._next_try = time.monotonic() + self.retry_s
-                with self._lock:
-                    if self._at is at:
-                        self._at = None  # greeted again (and re-mapped) at the next try
-                raise Unavailable(f"the node's shard did not answer {op} ({type(e).__name__})") from None
-            raise
-        with self._lock:
-            self._idle.append(sock)
-        if not ok:
-            raise wire.decode_error(result)
-        return result, got
-
-    def _exchange(self, sock: wire.Channel, op: str, args: dict, payloads, outs, deadline: float):
-        args = dict(args, timeout_s=self.timeout_s)
-        if payloads:
-            args["lens"] = [int(p.nbytes) for p in payloads]
-        sock.send([op, args], payloads, deadline=deadline)
-        reply = sock.recv_header(deadline=deadline)
-        if not (isinstance(reply, list) and len(reply) == 3):
-            raise Unavailable(f"the shard answered {op} with a malformed reply")
-        ok, result, lens = reply
-        return ok, result, sock.recv_payloads(lens or [], outs, deadline=deadline)
-
-    def _stage(self, sock: wire.Channel, deadline: float) -> Stage:
-        """The channel's staging file, asked for once per connection."""
-        stage = getattr(sock, "stage", None)
-        if stage is None:
-            ok, r, _ = self._exchange(sock, "stage", {}, (), None, deadline)
-            if not ok:
-                raise wire.decode_error(r)
-            stage = sock.stage = Stage.attach(r["path"], r["nbytes"])
-        return stage
-
-    def _staged(self, arrays: Sequence[np.ndarray]):
-        """``prepare`` for ``put_staged``: the channel's staging file filled with ``arrays``;
-        their offsets go with the call."""
-        def prepare(sock: wire.Channel, args: dict, deadline: float) -> dict:
-            stage = self._stage(sock, deadline)
-            offsets = stage.layout(arrays)
-            assert offsets is not None, "the caller checked that the chunks fit STAGE_BYTES"
-            stage.fill(arrays, offsets)
-            return dict(args, offsets=offsets)
-        return prepare
-
-    def _unstage(self, dsts: Sequence[np.ndarray] | None):
-        """``after`` for ``get``: chunks the shard left in the channel's staging file, copied out
-        (into ``dsts`` when given) before another call can reuse it."""
-        def after(sock: wire.Channel, result: dict, got: list) -> list:
-            places = result.get("staged")
-            if not places:
-                return got
-            stage, out = sock.stage, []
-            for i, (off, n) in enumerate(places):
-                src = stage.region(off, n)
-                dst = dsts[i][:n] if dsts is not None and i < len(dsts) and dsts[i].shape[0] >= n else np.empty(
-                    n, dtype=np.uint8)
-                np.copyto(dst, src)
-                out.append(dst)
-            return out
-        return after
-
-    # ---------------------------------------------------------------- the PoolClient surface
-    @property
-    def shards(self) -> dict:
-        """This node's shard (its page size), or nothing while none answers."""
-        at = self._attached()
-        return {} if at is None else {at.info["shard"]: {"page_bytes": at.info["page_bytes"]}}
-
-    @property
-    def secured(self) -> bool:
-        at = self._at
-        return bool(at is not None and at.info.get("secured"))
+class NodeClient(NodeConnection):
+    """The pool's surface over this node's shard (the connection: kvpool.node.connection)."""
 
     @staticmethod
     def addresses(credential: str, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
@@ -376,7 +178,7 @@ class NodeClient:
             self.counts["put_shm"] += 1
             return int(stored)
         except KvPoolError as e:
-            if e.status in RAISED and not expired(e):
+            if e.status in RAISED:
                 raise
             self.counts["put_failed"] += 1
             if self.counts["put_failed"] & (self.counts["put_failed"] - 1) == 0:  # the 1st, 2nd, 4th, 8th...
@@ -423,19 +225,3 @@ class NodeClient:
                 raise
             self.counts["get_failed"] += 1
         return out
-
-    def close(self) -> None:
-        with self._lock:
-            at, self._at = self._at, None
-            idle, self._idle = self._idle, []
-        for s in idle:
-            _close(s)
-        if at is not None:
-            at.close()
-
-
-def _close(sock: wire.Channel) -> None:
-    stage = getattr(sock, "stage", None)
-    if stage is not None:
-        stage.close()
-    sock.close()

@@ -33,7 +33,8 @@ import numpy as np
 
 from kvpool.checksum import checksum
 from kvpool.errors import Unavailable
-from kvpool.node.table import Entry, PageTable
+from kvpool.node.table import PageTable
+from kvpool.node.table_file import Entry
 
 # Tests only: called as ``before_verify(view)`` between the caller's use of a view and its
 # verification (to rewrite a page or withdraw a chunk in that window).

@@ -19,7 +19,7 @@ def why_down(client) -> str | None:
     """None when ``client``'s (a NodeClient) shard answers a ``hello`` within the client's
     ``timeout_s``; else what did not answer: no node file in the run dir, or the socket a node
     file names."""
-    files = [p for p in client._node_files() if os.path.exists(p)]
+    files = [p for p in client.node_files() if os.path.exists(p)]
     if not files:
         name = f"kvpool-{client.pool}-{client.shard or '*'}.node"
         return (f"no shard of pool {client.pool!r} runs on this node: no {name} in run_dir {client.directory} "

@@ -43,101 +43,45 @@ Memory ordering
     Python gives no fences to put between the loads, and the checksum is what guards the payload;
     a torn slot snapshot then is at worst a miss or a copy that fails the checksum.
 
-Table file
-    A header of 128 bytes (magic ``KVPTAB01``, format version, slot size, capacity, epoch, the
-    writer's pid, the slab's page_bytes and num_pages, the number of used slots), then
-    ``capacity`` slots of 64 bytes: seq, addr_hi, addr_lo, offset, nbytes, checksum and two spare
-    u64, little-endian. An all-zero address marks an empty slot. Open addressing with linear
-    probing from slot ``addr_lo & (capacity - 1)`` (``addr_lo`` is bytes 8..16 of the address, read
-    little-endian); deletion by backward shift (no tombstones), bumping the seq of every slot the
-    shift rewrites. The capacity is the next power of two >= 2 x the slab's pages, so the table is
-    never more than half full and probe runs stay short.
-
-    The epoch is bumped in the file when the writer closes it, and in a valid old file when a new
-    table is created over it (so the readers of a dead writer's table notice): a reader whose
-    attach-time epoch no longer matches is ``stale`` and every ``read`` misses; attach again. A new
-    file is written under a temporary name and renamed onto the path, so a reader still mapping an
-    older file never sees it truncated (that would be a SIGBUS in an engine).
+The file itself (its header, slots, creation and attach) is :mod:`kvpool.node.table_file`.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import stat
-import struct
-import tempfile
-from typing import NamedTuple
 
 import numpy as np
 
 from kvpool.checksum import copy_with_checksum
 from kvpool.errors import BadRequest
-
-MAGIC = b"KVPTAB01"
-VERSION = 1
-HEADER_BYTES = 128
-SLOT_BYTES = 64
-ADDRESS_BYTES = 16
-MIN_CAPACITY = 8
-# how many times ``find`` starts over when it meets a slot being rewritten; then it reports a miss
-FIND_RETRIES = 8
-
-# magic, version, slot_bytes, capacity, epoch, writer_pid, page_bytes, num_pages, count
-_HEADER = struct.Struct("<8sIIQQQQQQ")
-_EPOCH_AT = 24
-_PID_AT = 32
-_COUNT_AT = 56
-_U64 = struct.Struct("<Q")
-_ADDR = struct.Struct("<QQ")
-# addr_hi, addr_lo, offset, nbytes, checksum (after the seq)
-_FIELDS = struct.Struct("<QQQQQ")
-# seq and the fields in one call (a reader's snapshot; it then re-reads the seq)
-_SLOT = struct.Struct("<QQQQQQ")
-# NOTE: a NamedTuple's own constructor is a Python function (~0.8 us, a fifth of a lookup)
-_new_tuple = tuple.__new__
-_U64_MAX = (1 << 64) - 1
-
-assert _HEADER.size <= HEADER_BYTES and _COUNT_AT == _HEADER.size - 8
-
-
-class Entry(NamedTuple):
-    """A consistent snapshot of one slot: where the chunk lay when ``find`` saw it."""
-
-    slot: int
-    seq: int
-    offset: int
-    nbytes: int
-    checksum: int
-
-
-def capacity_for(num_pages: int) -> int:
-    """The number of slots of a table over ``num_pages`` pages: a power of two >= 2 x pages."""
-    need = max(2 * int(num_pages), MIN_CAPACITY)
-    return 1 << (need - 1).bit_length()
-
-
-def _split(address: bytes) -> tuple[int, int]:
-    try:
-        return _ADDR.unpack(address)
-    except (struct.error, TypeError):
-        raise BadRequest(f"a chunk address is {ADDRESS_BYTES} bytes, got {address!r:.40}: pass the chunk's key "
-                         "digest") from None
-
-
-def _check_int(name: str, v, lo: int, hi: int) -> int:
-    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
-        raise BadRequest(f"page table: {name} must be an int, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise BadRequest(f"page table: {name} must be in {lo}..{hi}, got {v}")
-    return int(v)
+from kvpool.node.table_file import (
+    ADDR,
+    COUNT_AT,
+    EPOCH_AT,
+    FIELDS,
+    FIND_RETRIES,
+    HEADER,
+    HEADER_BYTES,
+    PID_AT,
+    SLOT,
+    SLOT_BYTES,
+    U64,
+    U64_MAX,
+    Entry,
+    attach,
+    check_int,
+    create,
+    new_tuple,
+    split_address,
+)
 
 
 class PageTable:
     """One side of a page table file: the writer (``create``) or a read-only reader (``attach``)."""
 
     def __init__(self, path: str, mm: mmap.mmap, writable: bool, ident: tuple[int, int]) -> None:
-        magic, version, slot_bytes, capacity, epoch, _pid, page_bytes, num_pages, _count = _HEADER.unpack_from(mm, 0)
+        magic, version, slot_bytes, capacity, epoch, _pid, page_bytes, num_pages, _count = HEADER.unpack_from(mm, 0)
         self.path = path
         self.writable = writable
         self.capacity = capacity
@@ -155,43 +99,9 @@ class PageTable:
     @classmethod
     def create(cls, path: str, page_bytes: int, num_pages: int) -> "PageTable":
         """Creates (or replaces) the table file at ``path`` for a slab of ``num_pages`` x
-        ``page_bytes``, and returns its writer. The file is written under a temporary name in the
-        same directory (mode 0600) and renamed onto ``path``; an older file there gets its epoch
-        bumped first, so its readers see that it is stale."""
-        page_bytes = _check_int("page_bytes", page_bytes, 1, _U64_MAX)
-        num_pages = _check_int("num_pages", num_pages, 0, _U64_MAX)
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise BadRequest(f"page table: directory {directory!r} does not exist: create it or pick another")
-        capacity = capacity_for(num_pages)
-        size = HEADER_BYTES + capacity * SLOT_BYTES
-        epoch = _retire(path) + 1
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-        mm = None
-        try:
-            try:
-                os.fchmod(fd, 0o600)
-                # NOTE: allocated now, so a full /dev/shm is an error here, not a SIGBUS on a later write
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise BadRequest(f"cannot reserve {size} B for the page table under {directory!r} ({e.strerror}): "
-                                 "enlarge it (e.g. the pod's /dev/shm emptyDir) or lower dram_pages") from None
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            _HEADER.pack_into(mm, 0, MAGIC, VERSION, SLOT_BYTES, capacity, epoch, os.getpid(),
-                              page_bytes, num_pages, 0)
-            st = os.fstat(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            if mm is not None:
-                mm.close()
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        os.close(fd)
-        return cls(path, mm, True, (st.st_dev, st.st_ino))
+        ``page_bytes``, and returns its writer (:func:`kvpool.node.table_file.create`)."""
+        mm, ident = create(path, page_bytes, num_pages)
+        return cls(path, mm, True, ident)
 
     def _writer(self) -> mmap.mmap:
         if not self.writable:
@@ -202,31 +112,31 @@ class PageTable:
 
     def _write_slot(self, mm: mmap.mmap, i: int, hi: int, lo: int, offset: int, nbytes: int, checksum: int) -> None:
         at = HEADER_BYTES + i * SLOT_BYTES
-        seq = _U64.unpack_from(mm, at)[0]
-        _U64.pack_into(mm, at, seq + 1)  # odd: readers retry
-        _FIELDS.pack_into(mm, at + 8, hi, lo, offset, nbytes, checksum)
-        _U64.pack_into(mm, at, seq + 2)
+        seq = U64.unpack_from(mm, at)[0]
+        U64.pack_into(mm, at, seq + 1)  # odd: readers retry
+        FIELDS.pack_into(mm, at + 8, hi, lo, offset, nbytes, checksum)
+        U64.pack_into(mm, at, seq + 2)
 
     def _set_count(self, mm: mmap.mmap, count: int) -> None:
         self._count = count
-        _U64.pack_into(mm, _COUNT_AT, count)
+        U64.pack_into(mm, COUNT_AT, count)
 
     def publish(self, address: bytes, offset: int, nbytes: int, checksum: int) -> None:
         """Maps ``address`` to ``nbytes`` at ``offset`` of the slab with xxh3-64 ``checksum``
         (inserts, or overwrites the address's slot)."""
         mm = self._writer()
-        hi, lo = _split(address)
+        hi, lo = split_address(address)
         if hi == 0 and lo == 0:
             raise BadRequest("the all-zero chunk address marks an empty slot: derive addresses from the chunk keys")
         if (not isinstance(offset, (int, np.integer)) or not isinstance(nbytes, (int, np.integer))
                 or offset < 0 or nbytes < 0 or offset + nbytes > self._slab_bytes):
             raise BadRequest(f"page table: bytes {offset}..{offset}+{nbytes} are not inside the slab of "
                              f"{self._slab_bytes} B: pass a page's offset and the chunk's size")
-        checksum = _check_int("checksum", checksum, 0, _U64_MAX)
+        checksum = check_int("checksum", checksum, 0, U64_MAX)
         mask = self._mask
         i = lo & mask
         for _ in range(self.capacity):
-            h, lw = _ADDR.unpack_from(mm, HEADER_BYTES + i * SLOT_BYTES + 8)
+            h, lw = ADDR.unpack_from(mm, HEADER_BYTES + i * SLOT_BYTES + 8)
             if h == hi and lw == lo:
                 self._write_slot(mm, i, hi, lo, int(offset), int(nbytes), checksum)
                 return
@@ -243,13 +153,13 @@ class PageTable:
         """Removes ``address`` (True if it was there). Call it BEFORE the chunk's slab page is reused
         or freed: it bumps the slot's seq, so a reader mid-copy fails validation."""
         mm = self._writer()
-        hi, lo = _split(address)
+        hi, lo = split_address(address)
         if hi == 0 and lo == 0:
             return False
         mask = self._mask
         i = lo & mask
         for _ in range(self.capacity):
-            h, lw = _ADDR.unpack_from(mm, HEADER_BYTES + i * SLOT_BYTES + 8)
+            h, lw = ADDR.unpack_from(mm, HEADER_BYTES + i * SLOT_BYTES + 8)
             if h == hi and lw == lo:
                 break
             if h == 0 and lw == 0:
@@ -261,7 +171,7 @@ class PageTable:
         j = i
         while True:
             j = (j + 1) & mask
-            fields = _FIELDS.unpack_from(mm, HEADER_BYTES + j * SLOT_BYTES + 8)
+            fields = FIELDS.unpack_from(mm, HEADER_BYTES + j * SLOT_BYTES + 8)
             if fields[0] == 0 and fields[1] == 0:
                 break
             home = fields[1] & mask
@@ -296,8 +206,8 @@ class PageTable:
         if mm is None:
             return
         if self.writable:
-            epoch = _U64.unpack_from(mm, _EPOCH_AT)[0]
-            _U64.pack_into(mm, _EPOCH_AT, epoch + 1)
+            epoch = U64.unpack_from(mm, EPOCH_AT)[0]
+            U64.pack_into(mm, EPOCH_AT, epoch + 1)
         mm.close()
         if self.writable and unlink:
             try:
@@ -311,40 +221,15 @@ class PageTable:
     def __len__(self) -> int:
         if self.writable:
             return self._count
-        return _U64.unpack_from(self._reader(), _COUNT_AT)[0]
+        return U64.unpack_from(self._reader(), COUNT_AT)[0]
 
     # ---------------------------------------------------------------- reader
 
     @classmethod
     def attach(cls, path: str) -> "PageTable":
-        """Maps the table file at ``path`` read-only."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise BadRequest(f"cannot open the page table {path!r} ({e.strerror}): is the node's shard running, "
-                             "with its DRAM slab under a shared directory (dram_dir, e.g. /dev/shm)?") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_size < HEADER_BYTES:
-                raise BadRequest(f"{path!r} is {st.st_size} B, too small for a page table: "
-                                 "point the engine at the table file its node's shard reports")
-            header = os.pread(fd, HEADER_BYTES, 0)
-            magic, version, slot_bytes, capacity = _HEADER.unpack_from(header, 0)[:4]
-            if magic != MAGIC:
-                raise BadRequest(f"{path!r} is not a kvpool page table (magic {magic!r}): "
-                                 "point the engine at the table file its node's shard reports")
-            if version != VERSION or slot_bytes != SLOT_BYTES:
-                raise BadRequest(f"page table {path!r} has format version {version} (slot {slot_bytes} B); this "
-                                 f"kvpool reads version {VERSION}: run the same kvpool version in the engine "
-                                 "and the shard")
-            size = HEADER_BYTES + capacity * SLOT_BYTES
-            if capacity < 1 or capacity & (capacity - 1) or st.st_size < size:
-                raise BadRequest(f"page table {path!r} is {st.st_size} B, not the {size} B its header says "
-                                 "(truncated or corrupt): restart the node's shard to recreate it")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        return cls(path, mm, False, (st.st_dev, st.st_ino))
+        """Maps the table file at ``path`` read-only (:func:`kvpool.node.table_file.attach`)."""
+        mm, ident = attach(path)
+        return cls(path, mm, False, ident)
 
     def _reader(self) -> mmap.mmap:
         mm = self._mm
@@ -355,16 +240,16 @@ class PageTable:
     @property
     def epoch(self) -> int:
         """The epoch in the file's header now (re-read on each call)."""
-        return _U64.unpack_from(self._reader(), _EPOCH_AT)[0]
+        return U64.unpack_from(self._reader(), EPOCH_AT)[0]
 
     @property
     def writer_pid(self) -> int:
-        return _U64.unpack_from(self._reader(), _PID_AT)[0]
+        return U64.unpack_from(self._reader(), PID_AT)[0]
 
     @property
     def stale(self) -> bool:
         """True once the writer closed this file or created a new one over it: attach again."""
-        return _U64.unpack_from(self._reader(), _EPOCH_AT)[0] != self._attach_epoch
+        return U64.unpack_from(self._reader(), EPOCH_AT)[0] != self._attach_epoch
 
     def find(self, address: bytes) -> Entry | None:
         """A consistent snapshot of ``address``'s slot, or None (absent, or the slot kept changing:
@@ -372,12 +257,12 @@ class PageTable:
         mm = self._mm
         if mm is None:
             raise RuntimeError("the page table is closed")
-        hi, lo = _split(address)
+        hi, lo = split_address(address)
         if hi == 0 and lo == 0:
             return None
         mask = self._mask
-        unpack_u64 = _U64.unpack_from
-        unpack_slot = _SLOT.unpack_from
+        unpack_u64 = U64.unpack_from
+        unpack_slot = SLOT.unpack_from
         for _ in range(FIND_RETRIES):
             i = lo & mask
             for _ in range(self.capacity):
@@ -387,7 +272,7 @@ class PageTable:
                 if seq & 1 or unpack_u64(mm, at)[0] != seq:
                     break  # being rewritten: start over
                 if h == hi and lw == lo:
-                    return _new_tuple(Entry, (i, seq, offset, nbytes, checksum))
+                    return new_tuple(Entry, (i, seq, offset, nbytes, checksum))
                 if h == 0 and lw == 0:
                     return None
                 i = (i + 1) & mask
@@ -397,7 +282,7 @@ class PageTable:
 
     def valid(self, entry: Entry) -> bool:
         """Whether ``entry``'s slot is unchanged since ``find`` saw it."""
-        return _U64.unpack_from(self._reader(), HEADER_BYTES + entry.slot * SLOT_BYTES)[0] == entry.seq
+        return U64.unpack_from(self._reader(), HEADER_BYTES + entry.slot * SLOT_BYTES)[0] == entry.seq
 
     def read(self, address: bytes, slab_buf: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """Copies ``address``'s chunk out of ``slab_buf`` (the slab mapped as uint8) into ``out`` (or
@@ -420,24 +305,3 @@ class PageTable:
         if not self.valid(entry) or digest != entry.checksum or self.stale:
             return None
         return dst
-
-
-def _retire(path: str) -> int:
-    """Bumps the epoch of a valid table file at ``path`` (its readers see it is stale) and returns
-    the new epoch; 0 when there is none. Reads and writes through the descriptor, never a mapping,
-    so a short or foreign file cannot SIGBUS us."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-    except OSError:
-        return 0
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return 0
-        header = os.pread(fd, HEADER_BYTES, 0)
-        if len(header) < _HEADER.size or header[:8] != MAGIC or _HEADER.unpack_from(header, 0)[1] != VERSION:
-            return 0
-        epoch = _U64.unpack_from(header, _EPOCH_AT)[0] + 1
-        os.pwrite(fd, _U64.pack(epoch), _EPOCH_AT)
-        return epoch
-    finally:
-        os.close(fd)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpool.errors import BadRequest, ChunkTooLarge, QuotaExceeded
+from kvpool.errors import BadRequest, ChunkTooLarge, QuotaExceeded, ReservationGone
 from kvpool.keys import ChunkKey, as_key, as_keys
 from kvpool.policies import Access
 from kvpool.store.checks import _as_list, _check_flag, _check_position, _check_request, _check_ttl
@@ -116,7 +116,7 @@ class HoldsMixin:
         with self._lock:
             hold = self._holds.get(hold_id)
             if hold is None or hold.kind != "write":
-                raise BadRequest(f"no reservation {hold_id}: it was committed, aborted or expired (ttl)")
+                raise ReservationGone(f"no reservation {hold_id}: it was committed, aborted or expired (ttl)")
             tenant = self.tenants.by_index(hold.t_idx).id
             done = []
             for node, nb, cs in zip(hold.nodes, hold.sizes, checksums):

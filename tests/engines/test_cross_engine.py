@@ -24,10 +24,10 @@ import torch  # noqa: E402
 from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 from kvpool.connectors.breakeven import BreakEven  # noqa: E402
 from kvpool.connectors.hf import HFConnector  # noqa: E402
 from kvpool.connectors.pools import close_local_pools  # noqa: E402
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 
 CHUNK = 64  # two vLLM blocks of 32
 MODEL_ID = "kvpool-tests/tiny-llama-seed0"

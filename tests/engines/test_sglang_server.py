@@ -4,9 +4,9 @@ SGLang 0.5.23's server runs on a CPU (``--device cpu``, torch_native attention),
 ``--enable-hierarchical-cache``: its HiCache host pool pins its buffer through
 ``torch.cuda.cudart()`` and has device<->host copy kernels for CUDA/ROCm/XPU only, so the server
 stops at start-up ("Torch not compiled with CUDA enabled"); see
-:mod:`kvpool.connectors.gpu_check_sglang`. The end-to-end run (a pool, the server, the same
+:mod:`kvpool.connectors.bench.gpu_check_sglang`. The end-to-end run (a pool, the server, the same
 prompt across a restart, a storage hit with the same answer) is
-``python -m kvpool.connectors.gpu_check sglang`` on a GPU machine (``.ci/gpu-check``).
+``python -m kvpool.connectors.bench.gpu_check sglang`` on a GPU machine (``.ci/gpu-check``).
 
 Here, with SGLang's own code:
 
@@ -34,7 +34,7 @@ from tinymodel import save_tiny_llama  # noqa: E402
 
 from kvpool.connectors.weights import note_loading  # noqa: E402
 
-CHECK = [sys.executable, "-m", "kvpool.connectors.gpu_check"]
+CHECK = [sys.executable, "-m", "kvpool.connectors.bench.gpu_check"]
 
 
 def check(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -82,7 +82,7 @@ def test_the_dry_run_plan_is_one_sglangs_own_parser_accepts(tmp_path):
 
 def test_the_servers_extra_config_builds_kvpools_backend_through_sglangs_factory(tmp_path):
     from kvpool.auth import Authority
-    from kvpool.connectors import gpu_check_sglang
+    from kvpool.connectors.bench import gpu_check_sglang
     from kvpool.connectors.sglang import KVPoolStorage
 
     secret = "k" * 64
@@ -123,7 +123,7 @@ def test_without_a_gpu_the_check_says_so_and_exits_2(tmp_path):
 
 
 def test_the_verdict_needs_the_same_answer_and_a_storage_hit():
-    from kvpool.connectors.gpu_check_sglang import PAGE, verdict
+    from kvpool.connectors.bench.gpu_check_sglang import PAGE, verdict
 
     same = {"cold_tokens": [5, 6], "warm_tokens": [5, 6]}
     assert verdict({**same, "warm_cached_tokens": 960, "warm_storage_tokens": 960}) == (True, [])

@@ -16,12 +16,12 @@ import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from kvpool.codec import stored_nbytes  # noqa: E402
-from kvpool.connectors import smollm2  # noqa: E402
-from kvpool.connectors.bench_ttft_real import prompts  # noqa: E402
+from kvpool.connectors.bench.ttft_real import prompts  # noqa: E402
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 from kvpool.connectors.breakeven import BreakEven  # noqa: E402
+from kvpool.connectors.demo import smollm2  # noqa: E402
 from kvpool.connectors.hf import HFConnector  # noqa: E402
 from kvpool.connectors.pools import close_local_pools  # noqa: E402
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 
 if not smollm2.available():  # pragma: no cover - make engines installs it
     if IN_CI:

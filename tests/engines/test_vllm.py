@@ -18,14 +18,14 @@ import torch  # noqa: E402
 from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-from kvpool.connectors.vllm import KVPoolConnector  # noqa: E402
-from kvpool.connectors.vllm_bench import (  # noqa: E402
+from kvpool.connectors.bench.vllm_engine import (  # noqa: E402
     make_engine,
     measure_ttft,
     scheduler_connector,
     shutdown_engine,
     worker_connector,
 )
+from kvpool.connectors.vllm import KVPoolConnector  # noqa: E402
 from kvpool.errors import BadRequest  # noqa: E402
 
 CHUNK = 64  # two vLLM blocks of 32

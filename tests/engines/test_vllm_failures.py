@@ -26,7 +26,7 @@ need_engines("vllm")
 from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
 
 CHUNK = 64
 POOL = {"backend": "local", "pool": "test-vllm-failures", "chunk_tokens": CHUNK, "dram_mib": 32}

@@ -3,7 +3,7 @@ out, on its release after the scatter, not to have held still, the worker report
 vLLM recomputes them; the answer is the cold one, never one computed over the bytes scattered.
 
 The pool runs outside this process (a Ray head and `kvpool up`, as an operator starts them:
-:class:`kvpool.connectors.node_pool_proc.NodePool`); vLLM's engine runs in this process, so the
+:class:`kvpool.connectors.bench.node_pool_proc.NodePool`); vLLM's engine runs in this process, so the
 test reaches the worker's in-place read through ``kvpool.node.inplace.before_verify``, the hook
 between a view's use and its verification. There it does what a page rewritten during the scatter
 leaves behind: garbage in vLLM's blocks, and a chunk that no longer verifies.
@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-from kvpool.connectors.node_pool_proc import CHUNK_TOKENS, NodePool  # noqa: E402
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
+from kvpool.connectors.bench.node_pool_proc import CHUNK_TOKENS, NodePool  # noqa: E402
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
 from kvpool.node import inplace  # noqa: E402
 
 PROMPT = random_prompt(4 * CHUNK_TOKENS + 44, seed=31)  # 4 whole chunks and a tail

@@ -20,8 +20,8 @@ from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
 from kvpool.connectors.pools import close_local_pools  # noqa: E402
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
 from kvpool.connectors.vllm_layout import KernelCopier, copier_for, probe_cpu_layout  # noqa: E402
 from kvpool.errors import BadRequest  # noqa: E402
 from kvpool.kernels.layouts import vllm_layout  # noqa: E402

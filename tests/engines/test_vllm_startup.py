@@ -16,7 +16,7 @@ need_engines("vllm")
 from tinymodel import random_prompt, save_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 
 CHUNK = 64
 

@@ -21,11 +21,11 @@ import torch  # noqa: E402
 import zoo  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 from kvpool.connectors.breakeven import BreakEven  # noqa: E402
 from kvpool.connectors.families import CROSS_ENGINE, UnsupportedModel  # noqa: E402
 from kvpool.connectors.hf import HFConnector  # noqa: E402
 from kvpool.connectors.pools import close_local_pools  # noqa: E402
-from kvpool.connectors.vllm_bench import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
 
 CHUNK = 64  # two vLLM blocks of 32
 N = 200  # prompt tokens: three whole chunks and 8 more

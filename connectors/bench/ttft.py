@@ -5,14 +5,14 @@
   loaded from the pool (all whole chunks but the last, which holds the token whose logits are
   needed) and the rest computed. ``same_output``: the greedy tokens of both runs are identical.
   ``backend="node"``: the pool runs outside this process (a Ray head and ``kvpool up``, started
-  by :class:`kvpool.connectors.node_pool_proc.NodePool`) and the connector reaches it through
+  by :class:`kvpool.connectors.bench.node_pool_proc.NodePool`) and the connector reaches it through
   a NodeClient, as an engine on a cluster does.
-- ``vllm``: delegated to ``kvpool.connectors.vllm_bench`` (run it with the engines' virtualenv).
+- ``vllm``: delegated to ``kvpool.connectors.bench.vllm_engine`` (run it with the engines' virtualenv).
 - ``vllm-server``: vLLM's OpenAI server, the pool on the node path (and the in-process pool for
-  comparison): :mod:`kvpool.connectors.vllm_server_bench`.
+  comparison): :mod:`kvpool.connectors.bench.vllm_server`.
 
 ``model="smollm2"``: the same on the real model, SmolLM2-135M-Instruct, with real English prompts
-and their greedy answers compared (:mod:`kvpool.connectors.bench_ttft_real`).
+and their greedy answers compared (:mod:`kvpool.connectors.bench.ttft_real`).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
     # inference servers run with, and it applies to the cold and the warm runs alike.
     torch.set_flush_denormal(True)
     if model == "smollm2":
-        from kvpool.connectors import bench_ttft_real as real
-        from kvpool.connectors import smollm2
+        from kvpool.connectors.bench import ttft_real as real
+        from kvpool.connectors.demo import smollm2
 
         sizes = real.fit(contexts)
         m = smollm2.load()[0]
@@ -76,7 +76,7 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
     chunks = sum(p.shape[1] // chunk_tokens + 1 for p in prompts)
     node = pool = None
     if backend == "node":
-        from kvpool.connectors.node_pool_proc import NodePool
+        from kvpool.connectors.bench.node_pool_proc import NodePool
         from kvpool.connectors.pools import open_pool
 
         node = NodePool(spec.chunk_nbytes, chunks + 8, progress)
@@ -143,8 +143,8 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | Non
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvpool-ttft-") as d:
         if model == "smollm2":
-            from kvpool.connectors import bench_ttft_real as real
-            from kvpool.connectors import smollm2
+            from kvpool.connectors.bench import ttft_real as real
+            from kvpool.connectors.demo import smollm2
 
             sizes = real.fit(contexts, answer_tokens=1)
             prompts, d, max_len = real.prompts([n for _, n in sizes]), str(smollm2.checkpoint()), real.max_positions()
@@ -187,12 +187,12 @@ def run(engine: str, contexts: list[int], progress: bool = True, backend: str | 
             raise BadRequest("--repeats is the random-weight server benchmark's; with --model smollm2 each context "
                              "is measured once per run: run the command again for more")
         _need_vllm(engine)
-        from kvpool.connectors import bench_ttft_real
+        from kvpool.connectors.bench import ttft_real as bench_ttft_real
 
         return bench_ttft_real.run_server(contexts, backend or "node", progress=progress)
     if engine == "vllm-server":
         _need_vllm(engine)
-        from kvpool.connectors import vllm_server_bench
+        from kvpool.connectors.bench import vllm_server as vllm_server_bench
 
         if len(contexts) != 1:
             raise BadRequest("--engine vllm-server measures one --context (e.g. 4096)")
@@ -206,7 +206,7 @@ def run(engine: str, contexts: list[int], progress: bool = True, backend: str | 
         raise BadRequest(f"--backend {backend!r}: --engine vllm runs its in-process pool (local) only")
     if engine == "vllm":
         try:
-            from kvpool.connectors import vllm_bench
+            from kvpool.connectors.bench import vllm_engine as vllm_bench
         except ImportError as e:
             raise BadRequest(f"vLLM is not importable here ({e}): run `.venv-engines/bin/kvpool bench ttft "
                              "--engine vllm` (make engines builds that virtualenv)") from None
@@ -224,11 +224,11 @@ def _need_vllm(engine: str) -> None:
 
 def format_table(rows: list[dict] | dict) -> str:
     if isinstance(rows, dict):  # vllm-server
-        from kvpool.connectors import vllm_server_bench
+        from kvpool.connectors.bench import vllm_server as vllm_server_bench
 
         return vllm_server_bench.format_table(rows)
     if rows and rows[0].get("model") == "smollm2":
-        from kvpool.connectors import bench_ttft_real
+        from kvpool.connectors.bench import ttft_real as bench_ttft_real
 
         return bench_ttft_real.format_table(rows)
     lines = [f"{'engine':<7}{'context':>8}{'cold s':>9}{'warm s':>9}{'speed-up':>10}{'native hit s':>14}"

@@ -1,8 +1,8 @@
 """Time to first token through vLLM's real OpenAI server, the pool on the node path (issue 17).
 
 ``run(context, repeats, backends)`` starts, for ``backend="node"``, a pool *outside* the engine's
-process as an operator runs it (:class:`~kvpool.connectors.node_pool_proc.NodePool`), then vLLM's
-OpenAI server (:class:`~kvpool.connectors.vllm_server_proc.Server`) with the KVPoolConnector on
+process as an operator runs it (:class:`~kvpool.connectors.bench.node_pool_proc.NodePool`), then vLLM's
+OpenAI server (:class:`~kvpool.connectors.bench.vllm_server_proc.Server`) with the KVPoolConnector on
 ``backend: "node"`` (vLLM's multiprocess engine: the scheduler and the worker each open their own
 NodeClient). ``backend="local"``: the same server with vLLM's engine in-process and the
 connector's in-process pool (what the issue 7 numbers used, there through ``vllm.LLM``).
@@ -53,9 +53,9 @@ import tempfile
 from statistics import median
 from typing import Any
 
-from kvpool.connectors.node_pool_proc import CHUNK_TOKENS, TENANT, NodePool, terminated_as_interrupt
-from kvpool.connectors.node_pool_proc import log as _log
-from kvpool.connectors.vllm_server_proc import BLOCK_SIZE, Server
+from kvpool.connectors.bench.node_pool_proc import CHUNK_TOKENS, TENANT, NodePool, terminated_as_interrupt
+from kvpool.connectors.bench.node_pool_proc import log as _log
+from kvpool.connectors.bench.vllm_server_proc import BLOCK_SIZE, Server
 from kvpool.errors import BadRequest
 
 __all__ = ["NodePool", "Server", "run", "failures", "format_table", "summarize"]
@@ -193,7 +193,7 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
          seed: int, model_name: str = "random") -> dict[str, Any]:
     import torch
 
-    from kvpool.connectors.bench_ttft import bench_model, issue_qwen2
+    from kvpool.connectors.bench.ttft import bench_model, issue_qwen2
 
     workdir = tempfile.mkdtemp(prefix="kvpool-ttft-server-")
     to_close: list = []

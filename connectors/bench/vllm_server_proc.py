@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from kvpool.connectors.node_pool_proc import free_port
+from kvpool.connectors.bench.node_pool_proc import free_port
 
 BLOCK_SIZE = 32
 START_TIMEOUT_S = 420
@@ -139,7 +139,8 @@ class Server:
             time.sleep(0.5)
 
     def log_tail(self, n: int = 6000) -> str:
-        self._log.flush()
+        if not self._log.closed:  # closed once the server was stopped: its log is all on disk
+            self._log.flush()
         with open(self.log_path, errors="replace") as f:
             return f.read()[-n:]
 

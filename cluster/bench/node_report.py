@@ -1,4 +1,4 @@
-"""The figures of ``kvpool bench datapath`` (:mod:`kvpool.cluster.bench_node`): rounds merged into
+"""The figures of ``kvpool bench datapath`` (:mod:`kvpool.cluster.bench.node`): rounds merged into
 ranges, ratios per round, the issue-17 targets, the failures that fail the command, and the table.
 
 Ratios are computed per round, from the two figures of that round: latency ratios are

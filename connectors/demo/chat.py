@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.connectors.demo_workload import Conversation, first_message
+from kvpool.connectors.demo.smollm2 import chat_ids
+from kvpool.connectors.demo.workload import Conversation, first_message
 from kvpool.connectors.hf import HFConnector
 from kvpool.connectors.hf_model import cache_argument
-from kvpool.connectors.smollm2 import chat_ids
 from kvpool.progress import Progress
 
 

@@ -1,5 +1,5 @@
 """The engine checks for a machine with an NVIDIA GPU and the official engines installed (CI has
-neither): ``python -m kvpool.connectors.gpu_check vllm|sglang``.
+neither): ``python -m kvpool.connectors.bench.gpu_check vllm|sglang``.
 
 - ``vllm``: the official vLLM (CUDA) with the kvpool connector on a random tiny Llama: a second
   run of the same prompt in a fresh engine loads its prefix from the pool (the connector reports
@@ -7,7 +7,7 @@ neither): ``python -m kvpool.connectors.gpu_check vllm|sglang``.
   ``kvpool bench ttft --engine vllm`` for 1K/4K/16K.
 - ``sglang``: SGLang's real server (``sglang.launch_server``) with kvpool as its HiCache storage
   backend on a pool the check starts, the same prompt across a server restart: the answer is the
-  same and its prefix comes from kvpool (:mod:`kvpool.connectors.gpu_check_sglang`; ``--dry-run``
+  same and its prefix comes from kvpool (:mod:`kvpool.connectors.bench.gpu_check_sglang`; ``--dry-run``
   prints the commands, ``--python`` names SGLang's interpreter).
 
 Without a GPU either mode says so and exits with 2.
@@ -21,7 +21,7 @@ import json
 import sys
 import tempfile
 
-USAGE = "usage: python -m kvpool.connectors.gpu_check vllm|sglang [sglang options: --dry-run, --python PATH]"
+USAGE = "usage: python -m kvpool.connectors.bench.gpu_check vllm|sglang [sglang options: --dry-run, --python PATH]"
 
 
 def check_vllm(argv: list[str]) -> int:
@@ -36,7 +36,8 @@ def check_vllm(argv: list[str]) -> int:
         return 2
     import numpy as np
 
-    from kvpool.connectors import bench_ttft, vllm_bench
+    from kvpool.connectors.bench import ttft as bench_ttft
+    from kvpool.connectors.bench import vllm_engine as vllm_bench
 
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, 4096, 1000)]
     with tempfile.TemporaryDirectory(prefix="kvpool-gpu-") as d:
@@ -51,7 +52,7 @@ def check_vllm(argv: list[str]) -> int:
 
 
 def check_sglang(argv: list[str]) -> int:
-    from kvpool.connectors import gpu_check_sglang
+    from kvpool.connectors.bench import gpu_check_sglang
 
     return gpu_check_sglang.main(argv)
 

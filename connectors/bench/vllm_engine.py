@@ -1,7 +1,7 @@
 """Time to first token with vLLM: cold, warm from the pool in a fresh engine, and vLLM's own hit.
 
 ``measure_ttft(context_tokens, model)`` measures vLLM's own prefix-cache hit and the pool hit on
-equal terms, the protocol of the server benchmark (:mod:`kvpool.connectors.vllm_server_bench`), in
+equal terms, the protocol of the server benchmark (:mod:`kvpool.connectors.bench.vllm_server`), in
 this process and one engine after the other:
 
 1. engine A (prefix caching on, KVPoolConnector on an in-process pool of its own): a warm-up

@@ -1,7 +1,7 @@
-"""The engine side of ``kvpool bench node`` (:mod:`kvpool.cluster.bench_node`): a worker process
+"""The engine side of ``kvpool bench node`` (:mod:`kvpool.cluster.bench.node`): a worker process
 that reaches the node's shard through a NodeClient and never imports Ray.
 
-``python -m kvpool.cluster.bench_node_worker --config JSON``: one JSON request per line on stdin
+``python -m kvpool.cluster.bench.node_worker --config JSON``: one JSON request per line on stdin
 (``put``, ``get``, ``fill``, ``memcpy``, ``stats``, ``phases``, ``rtt``, ``quit``), one JSON answer
 per line on a stdout kept clean of everything else (as :mod:`kvpool.bench.peer_procs`' workers).
 """
@@ -206,7 +206,7 @@ def _worker_main(config: dict) -> int:
 def _main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m kvpool.cluster.bench_node_worker")
+    p = argparse.ArgumentParser(prog="python -m kvpool.cluster.bench.node_worker")
     p.add_argument("--config", required=True)
     a = p.parse_args(argv)
     return _worker_main(json.loads(a.config))

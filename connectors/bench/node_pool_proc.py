@@ -22,7 +22,7 @@ from kvpool.errors import BadRequest
 
 TENANT = "default"
 CHUNK_TOKENS = 256
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:

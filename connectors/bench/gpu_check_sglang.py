@@ -1,5 +1,5 @@
 """SGLang's real server with kvpool as its HiCache storage backend, end to end, on a machine with an
-NVIDIA GPU: ``python -m kvpool.connectors.gpu_check sglang [--python ENGINE_PYTHON] [--dry-run]``.
+NVIDIA GPU: ``python -m kvpool.connectors.bench.gpu_check sglang [--python ENGINE_PYTHON] [--dry-run]``.
 
 1. A pool that outlives the server, run from this interpreter's environment (the pool's, ``.venv``):
    a Ray head of its own (``ray start --head``, loopback, its own temp dir), then ``kvpool up``
@@ -337,7 +337,7 @@ def verdict(out: dict) -> tuple[bool, list[str]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvpool.connectors.gpu_check sglang",
+    p = argparse.ArgumentParser(prog="python -m kvpool.connectors.bench.gpu_check sglang",
                                 description="SGLang's server with kvpool as its HiCache storage backend, across a "
                                 "restart (needs an NVIDIA GPU).")
     p.add_argument("--python", default=sys.executable,

@@ -6,9 +6,9 @@ multi-tenant, multi-turn chats through the transformers connector: each request 
 longest cached prefix from the pool and runs only the rest. The same request also runs with no
 pool (the baseline, same run), and every answer is checked against it.
 
-``--model smollm2`` (the default) is SmolLM2-135M-Instruct (kvpool.connectors.smollm2) answering
-questions about documents that ship with Python (kvpool.connectors.demo_workload,
-kvpool.connectors.demo_chat): real answers, which must be the same greedy tokens with and
+``--model smollm2`` (the default) is SmolLM2-135M-Instruct (kvpool.connectors.demo.smollm2) answering
+questions about documents that ship with Python (kvpool.connectors.demo.workload,
+kvpool.connectors.demo.chat): real answers, which must be the same greedy tokens with and
 without the pool. ``--model tiny`` is a small random-weight Llama on random tokens (no weights to
 load, seconds): the last position's logits with the pool must equal those without it.
 """
@@ -28,7 +28,7 @@ from kvpool.errors import BadRequest
 from kvpool.progress import Progress
 from kvpool.tenants import Tenant, TenantRegistry
 
-log = logging.getLogger("kvpool.connectors.demo")
+log = logging.getLogger("kvpool.connectors.demo.run")
 
 CHUNK = 64
 VOCAB = 4096
@@ -86,7 +86,7 @@ def run(model: str = "smollm2", tenants: int | None = None, conversations: int |
     where = _where(backend, ray_address, redis)
     if model == "tiny":
         names = [f"tenant-{t}" for t in range(tenants)]
-        torch.set_flush_denormal(True)  # NOTE: see kvpool.connectors.bench_ttft: random weights make denormals
+        torch.set_flush_denormal(True)  # NOTE: see kvpool.connectors.bench.ttft: random weights make denormals
         m = demo_model()
         spec = model_spec(m, model_id="kvpool/demo-llama", chunk_tokens=CHUNK)
         with _pool(spec, names, DRAM_CHUNKS[model], backend, ray_address, redis) as pool:
@@ -96,8 +96,9 @@ def run(model: str = "smollm2", tenants: int | None = None, conversations: int |
 
 def _run_real(tenants: int, conversations: int, turns: int, max_new_tokens: int, progress: bool, backend: str,
               ray_address: str | None, redis: str | None, where: str) -> dict:
-    from kvpool.connectors import demo_chat, smollm2
-    from kvpool.connectors.demo_workload import plan
+    from kvpool.connectors.demo import chat as demo_chat
+    from kvpool.connectors.demo import smollm2
+    from kvpool.connectors.demo.workload import plan
 
     convs = plan(tenants, conversations, turns)  # bad counts fail before the model loads
     smollm2.gguf_dir()  # not installed: a BadRequest naming the install, before anything starts
@@ -172,7 +173,7 @@ def _run(model, pool, names: list[str], conversations: int, turns: int, progress
 
 def format_report(result: dict) -> str:
     if result.get("model") == "smollm2":
-        from kvpool.connectors.demo_chat import format_report as chat_report
+        from kvpool.connectors.demo.chat import format_report as chat_report
 
         return chat_report(result)
     spec = result["spec"]

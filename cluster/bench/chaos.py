@@ -6,7 +6,7 @@ head node) that act like engines: lookup a prompt's chunks, get them, check ever
 what its key implies, put what was missing. One prompt per client (the probe) is read every other
 step: after a fault, the seconds until each client reads its whole probe again are the recovery.
 
-Per fault (cluster/chaos_faults.py) the report gives: ops, wrong bytes, untyped errors (anything
+Per fault (cluster/bench/chaos_faults.py) the report gives: ops, wrong bytes, untyped errors (anything
 not a KvPoolError, by type name with one message), typed errors by status, calls over their
 deadline (client timeout + slack), the recovery and the shards that left the ring. Faults: SIGKILL
 a shard's worker (on a worker node, or the head's: the one the clients reach through shared
@@ -28,8 +28,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # its cluster is loopback-on
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from kvpool.cluster.chaos_faults import FAULTS, Context, RedisServer  # noqa: E402
-from kvpool.cluster.soak import truth  # noqa: E402
+from kvpool.cluster.bench.chaos_faults import FAULTS, Context, RedisServer  # noqa: E402
+from kvpool.cluster.bench.soak import truth  # noqa: E402
 from kvpool.errors import KvPoolError  # noqa: E402
 from kvpool.keys import Namespace, chunk_keys  # noqa: E402
 from kvpool.spec import KVSpec  # noqa: E402

@@ -1,4 +1,4 @@
-"""The faults of the chaos suite (cluster/chaos.py), each a small function of the run's context,
+"""The faults of the chaos suite (cluster/bench/chaos.py), each a small function of the run's context,
 and the Redis server the suite starts, kills, stops and restarts. Every fault injects, then heals
 what it broke (a killed shard is started again with ``up``, a removed node is replaced), so that
 the next fault starts from a whole pool; the quiet period that follows is the suite's."""

@@ -9,9 +9,9 @@ SmolLM2-135M-Instruct has 8192 positions (``max_position_embeddings``): a contex
 must fit in them, so a context asked above ``8192 - answer`` is measured at that length (the row
 keeps what was asked in ``asked_context``), and one above 8192 is refused.
 
-- ``hf``: :func:`kvpool.connectors.bench_ttft.run_hf` on the real model (cold: no pool; warm: the
+- ``hf``: :func:`kvpool.connectors.bench.ttft.run_hf` on the real model (cold: no pool; warm: the
   prefix loaded from the pool; ``same_output``: the greedy answers are identical).
-- ``vllm``: :func:`kvpool.connectors.bench_ttft.run_vllm` on the real model's checkpoint.
+- ``vllm``: :func:`kvpool.connectors.bench.ttft.run_vllm` on the real model's checkpoint.
 - ``vllm-server``: :func:`run_server` here: vLLM's own OpenAI server, streamed requests.
 """
 
@@ -38,7 +38,7 @@ PLACEHOLDER = "\x00"
 
 def max_positions() -> int:
     """The model's ``max_position_embeddings`` (8192), read from its checkpoint's config."""
-    from kvpool.connectors import smollm2
+    from kvpool.connectors.demo import smollm2
 
     with open(smollm2.checkpoint() / "config.json") as f:
         return int(json.load(f)["max_position_embeddings"])
@@ -62,7 +62,7 @@ def _document_ids(needed: int) -> list[int]:
     the whole text takes seconds), or all there is."""
     import pydoc_data.topics as topics
 
-    from kvpool.connectors import smollm2
+    from kvpool.connectors.demo import smollm2
 
     tok, out = smollm2.tokenizer(), []
     for name in sorted(topics.topics):
@@ -75,7 +75,7 @@ def _document_ids(needed: int) -> list[int]:
 def prompts(lengths: list[int]) -> list[list[int]]:
     """One chat prompt of exactly each length: the template, a slice of documentation of its own, the
     question. Slices follow each other, so no two prompts share a prefix."""
-    from kvpool.connectors import smollm2
+    from kvpool.connectors.demo import smollm2
 
     tok = smollm2.tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True,
@@ -96,7 +96,7 @@ def prompts(lengths: list[int]) -> list[list[int]]:
 
 
 def answer_text(tokens: list[int]) -> str:
-    from kvpool.connectors import smollm2
+    from kvpool.connectors.demo import smollm2
 
     return smollm2.tokenizer().decode(tokens, skip_special_tokens=True)
 
@@ -186,9 +186,9 @@ def run_server(contexts: list[int], backend: str = "node", *, answer_tokens: int
     """One vLLM server on the real model's checkpoint (``backend`` node: a pool started outside it,
     vLLM's multiprocess engine; local: the connector's in-process pool), every context in turn after
     one warm-up round that is not counted."""
-    from kvpool.connectors import smollm2
-    from kvpool.connectors.node_pool_proc import NodePool, log, terminated_as_interrupt
-    from kvpool.connectors.vllm_server_proc import Server
+    from kvpool.connectors.bench.node_pool_proc import NodePool, log, terminated_as_interrupt
+    from kvpool.connectors.bench.vllm_server_proc import Server
+    from kvpool.connectors.demo import smollm2
     from kvpool.progress import Progress
 
     if backend not in ("node", "local"):

@@ -55,10 +55,10 @@ minimum)::
      "targets": [{"name": ..., "ratio": "<a key of ratios>", "bound": "<= 2" | ">= 0.8", "range": [lo, hi],
                   "worst": x, "met": true}, ...]}
 
-Ratios, targets and the table: :mod:`kvpool.cluster.bench_node_report`.
+Ratios, targets and the table: :mod:`kvpool.cluster.bench.node_report`.
 
 This module imports Ray only in :func:`run`; the engine side, ``python -m
-kvpool.cluster.bench_node_worker``, never does.
+kvpool.cluster.bench.node_worker``, never does.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ import time
 
 from kvpool.bench import peer_procs as W
 from kvpool.bench import peers as P
-from kvpool.cluster.bench_node_report import (  # noqa: F401 - failures and format_table: this module's API
+from kvpool.cluster.bench.node_report import (  # noqa: F401 - failures and format_table: this module's API
     OPS,
     RTT_CALLS,
     SMALL,
@@ -86,7 +86,7 @@ from kvpool.cluster.bench_node_report import (  # noqa: F401 - failures and form
     failures,
     format_table,
 )
-from kvpool.cluster.bench_node_worker import FILLER_BYTES, TENANT
+from kvpool.cluster.bench.node_worker import FILLER_BYTES, TENANT
 
 NS = "kvpool-bench-node"
 DEFAULT_OPS = {"small": 200, "large": 8}
@@ -103,14 +103,14 @@ def _say(progress: bool, text: str) -> None:
         print(f"bench datapath: {text}", file=sys.stderr, flush=True)
 
 
-# --- the engine's worker process (kvpool.cluster.bench_node_worker), as the parent sees it ---------
+# --- the engine's worker process (kvpool.cluster.bench.node_worker), as the parent sees it ---------
 
 class _Worker(W.WorkerProcess):
-    """A child ``python -m kvpool.cluster.bench_node_worker`` (the engine side, no Ray)."""
+    """A child ``python -m kvpool.cluster.bench.node_worker`` (the engine side, no Ray)."""
 
     def __init__(self, name: str, config: dict, log_dir: str, start_timeout_s: float = 60.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        self._start(name, ["-m", "kvpool.cluster.bench_node_worker", "--config", json.dumps(config)], env, log_dir,
+        self._start(name, ["-m", "kvpool.cluster.bench.node_worker", "--config", json.dumps(config)], env, log_dir,
                     start_timeout_s, "kvpool-bench-node")
 
     def quit(self) -> dict:
@@ -292,7 +292,7 @@ def run(rounds: int = 3, ops: dict | None = None, warmup: dict | None = None, la
     result: dict = {"config": {"rounds": rounds, "ops": ops, "warmup": warmup, "sizes": sizes, "nodes": 2,
                                "page_bytes": page_bytes, "dram_pages": dram_pages, "peers": bool(peers),
                                "filler": f"both slabs filled with {FILLER_BYTES} B chunks first: puts evict",
-                               "index": "redis-server of its own", "worker": "python -m kvpool.cluster.bench_node"}}
+                               "index": "redis-server of its own", "worker": "python -m kvpool.cluster.bench.node"}}
     tally = {"wrong_bytes": 0, "missing": 0, "put_failed": 0, "outs_unused": 0, "wrong_path": 0,
              "index_wait_s": 0.0, "calls": {name: 0 for name in sizes}, "breakdown": {}}
     kv_rounds, mem_rounds, mem_wrong, peer_runs, rtt_rounds = [], [], 0, [], {}

@@ -2,7 +2,7 @@
 the real model at save time, keep more of what comes back than ``adaptive``?
 
 Workload (long shared documents, a few hot ones, cold ones streaming through): ``docs`` passages of
-real English (:mod:`kvpool.connectors.quality_text`), ``doc_tokens`` each. Each of ``tenants``
+real English (:mod:`kvpool.connectors.bench.quality_text`), ``doc_tokens`` each. Each of ``tenants``
 tenants keeps asking about its own hot document (``hot`` of them, ``p_hot`` of the requests), the
 other requests ask about the cold documents in turn, for a random tenant; a request's prompt is
 its document then one of a few questions. The pool holds ``capacity`` chunks, well under the
@@ -38,7 +38,8 @@ POLICIES = (("lru", False), ("adaptive", False), ("importance", False), ("import
 def _documents(model_name: str, docs: int, doc_tokens: int):
     """(model, [doc ids], [question ids]) of the real model and text, or a random-weight model and tokens."""
     if model_name == "smollm2":
-        from kvpool.connectors import quality_text, smollm2
+        from kvpool.connectors.bench import quality_text
+        from kvpool.connectors.demo import smollm2
 
         model, tok = smollm2.load()
         texts = [ids for _, ids in quality_text.passages(tok, docs, doc_tokens)]

@@ -1,0 +1,29 @@
+"""Where a node's files are: the run dir (``$KVPOOL_RUN_DIR``, else /dev/shm) holds each shard's
+socket, page table, slab and node file (``kvpool-<pool>-<shard>.node``: what an engine reads to
+find its node's shard)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+RUN_DIR_ENV = "KVPOOL_RUN_DIR"
+DEFAULT_RUN_DIR = "/dev/shm"
+
+
+def run_dir(given: str | None = None) -> str:
+    """The run dir: ``given``, else ``$KVPOOL_RUN_DIR``, else /dev/shm."""
+    return given or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR
+
+
+def node_paths(directory: str, pool: str, shard_id: str) -> dict[str, str]:
+    """A shard's socket, page table and node file in ``directory``."""
+    base = os.path.join(directory, f"kvpool-{pool}-{shard_id}")
+    return {"socket": base + ".sock", "table": base + ".kvtable", "node": base + ".node"}
+
+
+def node_files(directory: str, pool: str, shard_id: str | None = None) -> list[str]:
+    """The node files of ``pool``'s shards in ``directory`` (the one of ``shard_id`` when given)."""
+    if shard_id:
+        return [node_paths(directory, pool, shard_id)["node"]]
+    return sorted(glob.glob(os.path.join(glob.escape(directory), f"kvpool-{glob.escape(pool)}-*.node")))
