@@ -1,11 +1,12 @@
-"""The controller: one named actor that owns membership and the ring.
+"""The controller: one named actor that owns membership (which shards are in the pool, and where
+their peer ports are), under a version number that changes with every join and leave.
 
-It never sits on the data path. Clients take the ring once and then long-poll ``wait`` for a new
-version; they do not call the controller per request. Its loop reconciles actual to target state
+It never sits on the data path. Shards follow it by long-polling ``wait`` for a new version
+(cluster/members.py); nobody calls it per request. Its loop reconciles actual to target state
 every ``interval_s``: shards whose heartbeat lapsed in the index for ``grace_s`` as measured by the
 controller while the index answered (an index that does not answer is an index outage, not dead
-shards), or whose node Ray declares dead, leave the ring and their index entries are purged; live
-shards the index lists and the ring lacks (after the controller itself restarted) are adopted, and
+shards), or whose node Ray declares dead, leave the membership and their index entries are purged; live
+shards the index lists and the membership lacks (after the controller itself restarted) are adopted, and
 one it cannot reach in ``ADOPT_TRIES`` passes is purged. A dropped shard is fenced: it asks
 ``member`` before rejoining the index and stops serving when the answer is "dropped". The operator
 state (quotas, priorities) it last saw is re-applied when the index comes back empty. Every step
@@ -22,7 +23,6 @@ import uuid
 import ray
 
 from kvpool.auth import Authority
-from kvpool.cluster.ring import HashRing
 from kvpool.index import open_index
 
 log = logging.getLogger("kvpool.controller")
@@ -69,13 +69,13 @@ class Reports:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=32)
 class Controller:
-    def __init__(self, pool: str, index_url: str | None, interval_s: float = 1.0, vnodes: int = 128,
-                 eps: float = 0.25, grace_s: float | None = None) -> None:
+    def __init__(self, pool: str, index_url: str | None, interval_s: float = 1.0,
+                 grace_s: float | None = None) -> None:
         self.pool = pool
         self.auth = Authority.from_env()  # the pool secret, from bootstrap.up or a mounted file
         self.index_url = index_url
         self.interval_s = interval_s
-        self.ring = HashRing(vnodes, eps)
+        self.version = 0  # of the membership: one more at every join and leave
         self.shards: dict[str, dict] = {}
         self._changed = threading.Condition()
         self._index = None
@@ -91,8 +91,8 @@ class Controller:
         self.purged = 0
         self._reports = Reports()
         self.incarnation = uuid.uuid4().hex  # a restarted controller (Ray restarts it empty) has a new one
-        # NOTE: after a restart, adopt the live shards before answering anyone: a client that took
-        # the empty ring of a controller that has not reconciled yet would drop every shard.
+        # NOTE: after a restart, adopt the live shards before answering anyone: a shard that took
+        # the empty membership of a controller that has not reconciled yet would see no peers.
         try:
             self._adopt(self._idx().shards())
         except Exception as e:  # noqa: BLE001 - the index may be down: the loop adopts them later
@@ -112,21 +112,21 @@ class Controller:
         return self._index
 
     # ---------------------------------------------------------------- membership
-    def register(self, shard_id: str, info: dict, weight: float = 1.0, credential: str = "") -> int:
-        """A shard joins the ring: only the pool's own processes (`kvpool up`) may add one."""
+    def register(self, shard_id: str, info: dict, credential: str = "") -> int:
+        """A shard joins: only the pool's own processes (`kvpool up`) may add one."""
         self.auth.require(credential, "registering a shard", "pool")
-        return self._register(shard_id, info, weight)
+        return self._register(shard_id, info)
 
-    def _register(self, shard_id: str, info: dict, weight: float = 1.0) -> int:
+    def _register(self, shard_id: str, info: dict) -> int:
         with self._changed:
             self._dropped.discard(shard_id)
             self.shards[shard_id] = info
-            self.ring.add(shard_id, weight)
+            self.version += 1
             self._changed.notify_all()
-            return self.ring.version
+            return self.version
 
     def deregister(self, shard_id: str, credential: str = "") -> int:
-        self.auth.require(credential, "taking a shard out of the ring")
+        self.auth.require(credential, "taking a shard out of the pool")
         with self._changed:
             self._dropped.add(shard_id)  # fenced: it rejoins the index only when registered again
         version = self._deregister(shard_id)
@@ -140,12 +140,12 @@ class Controller:
     def _deregister(self, shard_id: str) -> int:
         with self._changed:
             if self.shards.pop(shard_id, None) is not None:
-                self.ring.remove(shard_id)
+                self.version += 1
                 self._changed.notify_all()
-            return self.ring.version
+            return self.version
 
     def drain(self, shard_id: str, pool: str | None = None, timeout_s: float = 30.0, credential: str = "") -> int:
-        """Takes a shard out gracefully: out of the ring first (no new chunks go there), then its
+        """Takes a shard out gracefully: out of the membership first (no spills go there), then its
         index entries are removed and its slabs closed. Its chunks become misses, never errors.
         Operators only."""
         from kvpool.cluster.shard import shard_name
@@ -159,8 +159,8 @@ class Controller:
         return n
 
     def member(self, shard_id: str, incarnation: str = "") -> str:
-        """A shard's standing, asked before it rejoins the index: "member" (this incarnation is in
-        the ring), "dropped" (taken out, or another incarnation is: it must stop serving), or
+        """A shard's standing, asked before it rejoins the index: "member" (this incarnation is a
+        member), "dropped" (taken out, or another incarnation is: it must stop serving), or
         "unknown" (this controller has not seen it yet: it may rejoin, and is adopted)."""
         with self._changed:
             info = self.shards.get(shard_id)
@@ -171,13 +171,12 @@ class Controller:
 
     def state(self) -> dict:
         with self._changed:
-            return {"version": self.ring.version, "ring": self.ring.to_dict(), "shards": dict(self.shards),
-                    "secured": self.auth.secured}
+            return {"version": self.version, "shards": dict(self.shards), "secured": self.auth.secured}
 
     def wait(self, version: int, timeout_s: float = 5.0) -> dict:
-        """Long poll: returns as soon as the ring's version differs from ``version``."""
+        """Long poll: returns as soon as the membership's version differs from ``version``."""
         with self._changed:
-            self._changed.wait_for(lambda: self.ring.version != version, timeout=timeout_s)
+            self._changed.wait_for(lambda: self.version != version, timeout=timeout_s)
         return self.state()
 
     def report(self, name: str, figures: dict) -> None:
@@ -191,7 +190,7 @@ class Controller:
 
     def health(self) -> dict:
         return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),
-                "version": self.ring.version, "incarnation": self.incarnation, "purged": self.purged,
+                "version": self.version, "incarnation": self.incarnation, "purged": self.purged,
                 "dropped": sorted(self._dropped), "operator_state": dict(self._operator)}
 
     # ---------------------------------------------------------------- reconcile loop
@@ -205,7 +204,7 @@ class Controller:
 
     def reconcile_once(self) -> list[str]:
         """Drops shards that are dead (index heartbeat lapsed for ``grace_s``, or their node is
-        dead) from the ring and purges their index entries. Returns the shards dropped."""
+        dead) from the membership and purges their index entries. Returns the shards dropped."""
         idx = self._idx()
         try:
             alive = idx.shards()
@@ -227,7 +226,7 @@ class Controller:
             if self._missing[s] > 5 or info.get("node_id") in dead_nodes or self._lapsed_long(s, now):
                 gone.append(s)
         for s in gone:
-            log.warning("controller: shard %s is dead; removing it from the ring", s)
+            log.warning("controller: shard %s is dead; removing it from the pool", s)
             self._drop(idx, s)
         for s in [s for s in alive if s not in self.shards and self._lapsed_long(s, now)]:
             self._drop(idx, s)  # listed, not ours, and its heartbeat lapsed long ago
@@ -270,7 +269,7 @@ class Controller:
         idx.set_epoch(self.incarnation)
 
     def _adopt(self, alive: dict[str, bool], idx=None, dead_nodes=frozenset()) -> None:
-        """Live shards the index knows and the ring does not: after this controller restarted
+        """Live shards the index knows and the membership does not: after this controller restarted
         (Ray restarts it empty) its membership comes back from the index within one pass. One it
         cannot reach in ADOPT_TRIES passes, or on a dead node, is purged (a zombie)."""
         from kvpool.cluster.shard import shard_name

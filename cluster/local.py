@@ -1,4 +1,6 @@
-"""One way to start a local multi-node Ray cluster on this machine (benchmarks, soak, tests).
+"""One way to start a local multi-node Ray cluster on this machine (benchmarks, soak, tests), and
+``local_cluster_pool``: a one-node pool on local Ray started in this process, reached as engines
+reach theirs (what `kvpool demo` runs on).
 
 ``ray.cluster_utils.Cluster`` with a head and ``nodes - 1`` more nodes, every node on the
 loopback address and without Ray's token auth (a token left in ``~/.ray`` by another local Ray
@@ -42,3 +44,36 @@ def local_cluster(nodes: int = 2, *, namespace: str | None = None, num_cpus: int
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+@contextlib.contextmanager
+def local_cluster_pool(spec, tenants, dram_chunks: int, address: str | None = None, index_url: str | None = None):
+    """A pool on local Ray (started here, or ``address``) with the embedded index (or Redis at
+    ``index_url``), as a NodePool through this node's shard (kvpool.node.pool); torn down after."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from kvpool.cluster.bootstrap import down, shard_id_of, up
+    from kvpool.codec import stored_nbytes
+    from kvpool.node.client import NodeClient
+    from kvpool.node.pool import NodePool
+
+    ns = "kvpool-demo"
+    if address:
+        ray.init(address=address, namespace=ns, logging_level="ERROR", log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback only; see kvpool.cluster.ops
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR",
+                 log_to_driver=False)
+    opened = None
+    try:
+        up(store={"page_bytes": stored_nbytes(spec), "dram_pages": dram_chunks,
+                  "storage_format": spec.storage_format},
+           tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
+        opened = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), timeout_s=10.0)
+        yield NodePool(spec, opened, tenants)
+    finally:
+        if opened is not None:
+            opened.close()
+        down(namespace=ns)
+        ray.shutdown()

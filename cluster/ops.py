@@ -271,7 +271,7 @@ def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:
     connect(address, start_local=False)
     controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
     state = ray.get(controller.state.remote(), timeout=timeout_s)
-    out = {"ring_version": state["version"], "shards": {}}
+    out = {"version": state["version"], "shards": {}}
     for sid in state["shards"]:
         try:
             h = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
@@ -292,7 +292,7 @@ def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:
 
 
 def format_stats(st: dict) -> str:
-    lines = [f"ring version {st['ring_version']}, {len(st['shards'])} shards",
+    lines = [f"membership version {st['version']}, {len(st['shards'])} shards",
              f"{'shard':<20}{'tier':<6}{'chunks':>8}{'MiB':>10}{'pages':>12}{'hit rate':>10}{'evictions':>11}"]
     for sid, s in sorted(st["shards"].items()):
         if "error" in s:

@@ -1,6 +1,6 @@
 """Publishing a node's writes to the index just after their commit, off the engine's path.
 
-An engine's write through its node (cluster/node_server.py) is committed in the store (findable
+An engine's write through its node's shard (cluster/service_writes.py) is committed in the store (findable
 on this node at once, through the page table) and answered; this thread then publishes what
 accumulated in one index call. The rules stay: bytes before index (only committed chunks are
 published), and the index charges the tenant's quota atomically as it publishes. A tenant the
@@ -27,8 +27,8 @@ LINGER_S = 0.005
 
 
 class Publisher:
-    def __init__(self, shard) -> None:
-        self.shard = shard
+    def __init__(self, service) -> None:
+        self.service = service  # cluster.service.ShardService
         self._pending: list = []
         self._cv = threading.Condition()
         self._refused: dict[str, tuple[QuotaExceeded, float]] = {}
@@ -88,14 +88,14 @@ class Publisher:
                     self._cv.notify_all()
 
     def _publish(self, keys: list) -> None:
-        shard = self.shard
+        shard = self.service
         try:
-            shard._publish(keys)
+            shard.publish(keys)
             self.published += len(keys)
             self.batches += 1
             for e in shard.store.index_entries(shard.shard_id, keys[:1]):
                 self._refused.pop(e.tenant, None)
-        except QuotaExceeded as e:  # _publish removed the refused chunks from the store
+        except QuotaExceeded as e:  # publish removed the refused chunks from the store
             self._refused[e.tenant] = (e, time.monotonic() + REFUSED_S)
             log.warning("shard %s: the index refused %d chunks of tenant %s (over its quota): removed",
                         shard.shard_id, len(keys), e.tenant)

@@ -1,11 +1,13 @@
 """The shard actor: one per node, holding that node's chunk store and keeping the index true.
 
-- Its DRAM slab is a named file in /dev/shm, so clients on the same node copy in and out of it
-  directly (``reserve``/``commit``, ``lease_reads``/``release``): one copy, no Ray in the data path.
-- Clients on other nodes send and receive bytes through Ray (``put``, ``get``).
-- Bytes before index: it publishes a chunk to the index only after the chunk is committed, and
-  removes from the index what its store evicted, removed or found corrupt.
-- A heartbeat thread renews its membership and ends holds of clients that never came back.
+The Ray actor is the control plane only: it builds the shard's one service (cluster/service.py,
+every data operation) and its two doors (cluster/node_server.py: the node's Unix socket for its
+engines, the peer port for other shards), and keeps membership:
+
+- Bytes before index: the service publishes a chunk only after it is committed, and removes from
+  the index what the store evicted, removed or found corrupt.
+- A heartbeat thread renews its membership, reconciles with the index and ends holds and
+  requests of clients that never came back.
 - Fenced by incarnation: when the index has forgotten it, it rejoins only if the controller does
   not answer "dropped" for its incarnation; a dropped shard (its node declared dead, say) stops
   serving and publishing instead of coming back as a zombie.
@@ -21,22 +23,12 @@ import uuid
 
 import ray
 
-from kvpool.auth import Authority, Principal
-from kvpool.cluster.messages import (
-    Commit,
-    Get,
-    Got,
-    Leased,
-    LeaseReads,
-    Placement,
-    Put,
-    Reserve,
-    Reserved,
-    check_version,
-)
-from kvpool.cluster.shard_access import joined_request, where, who, writer
+from kvpool.auth import Authority
+from kvpool.cluster.members import Members
+from kvpool.cluster.node_server import NodeServer, sweep_node_files
+from kvpool.cluster.service import ShardService
 from kvpool.cluster.shard_drills import DRILLS_ENV, Drills
-from kvpool.errors import BadRequest, Forbidden, KvPoolError, QuotaExceeded, ReservationGone, Unavailable
+from kvpool.errors import BadRequest, Forbidden, KvPoolError
 from kvpool.index import open_index
 from kvpool.keys import ChunkKey
 from kvpool.node.paths import run_dir
@@ -66,21 +58,20 @@ class ShardActor(Drills):
         self.shard_id = shard_id
         self.pool = pool
         self.started = time.monotonic()
-        self._stall_s = 0.0
         self.incarnation = uuid.uuid4().hex
-        self.fenced = False
         self.refused = 0  # chunks the index refused at a reconcile (over quota), dropped here
         # The pool secret comes with the actor's environment (bootstrap.up) or a mounted file.
         self.auth = Authority.from_env()
         cfg = resolve_store(store)  # a tier asked for in bytes or as a share of memory: pages on THIS node
-        run = run_dir()  # beside the node files: engines map it from there
-        cfg.setdefault("dram_dir", run if os.path.isdir(run) else None)
+        run = run_dir()  # the node files and the slab: engines map them from there
+        os.makedirs(run, mode=0o700, exist_ok=True)
+        cfg["dram_dir"] = run
         cfg["name"] = f"{pool}-{shard_id}"
-        if cfg["dram_dir"]:
-            from kvpool.slab import sweep_orphans
+        from kvpool.slab import sweep_orphans
 
-            for path in sweep_orphans(cfg["dram_dir"], f"kvpool-{pool}-"):
-                log.warning("shard %s: removed the slab %s of a pool process that is gone", shard_id, path)
+        for path in sweep_orphans(run, f"kvpool-{pool}-"):
+            log.warning("shard %s: removed the slab %s of a pool process that is gone", shard_id, path)
+        sweep_node_files(run, pool, shard_id)
         reg = TenantRegistry([Tenant(**t) for t in tenants])
         self.store = ChunkStore(StoreConfig(**cfg), reg)
         self.store.track_gone = True
@@ -93,9 +84,9 @@ class ShardActor(Drills):
         self.ttl_s = ttl_s
         self.node_id = ray.get_runtime_context().get_node_id()
         self.tenant_config = tenants
-        self.request_ttl_s = request_ttl_s
-        self._requests: dict[int, tuple[object, float]] = {}  # id -> (ActiveRequest, deadline)
-        self._reserved: dict[int, list[ChunkKey]] = {}  # reservation id -> the addresses it placed
+        namespace = ray.get_runtime_context().namespace
+        self.members = Members(pool, shard_id, namespace)
+        self.service = ShardService(shard_id, pool, self.store, self.auth, self.index, self.members, request_ttl_s)
         self._join()
         from kvpool.cluster.metrics import RayExporter
 
@@ -103,9 +94,16 @@ class ShardActor(Drills):
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="kvpool-heartbeat")
         self._beat.start()
-        from kvpool.cluster.node_server import serve_node
+        # Engines of this node reach the service on its socket, other shards on its peer port: no Ray.
+        self.node = NodeServer(self.service, run, self.incarnation, self.stats, host=ray.util.get_node_ip_address())
 
-        self.node = serve_node(self, index_url) if cfg["dram_dir"] else None  # engines reach it here, without Ray
+    @property
+    def fenced(self) -> bool:
+        return self.service.fenced
+
+    @fenced.setter
+    def fenced(self, value: bool) -> None:
+        self.service.fenced = value
 
     # ---------------------------------------------------------------- membership
     def _join(self) -> None:
@@ -137,10 +135,9 @@ class ShardActor(Drills):
                 except BadRequest:  # the index forgot us (restarted empty, or we were dropped)
                     self._rejoin()
                 self.store.expire_holds()
-                for hid in [h for h in self._reserved if self.store.hold_owner(h) is None]:
-                    self._reserved.pop(hid, None)  # expired uncommitted
-                self._expire_requests()
-                self._forget_gone()
+                self.service.writes.expire_reservations()
+                self.service.expire_requests()
+                self.service.forget_gone()
                 self.store.stats()  # refreshes the gauges
                 self.exporter.export()
             except KvPoolError as e:  # the index is down: keep serving, retry next beat
@@ -169,33 +166,11 @@ class ShardActor(Drills):
         self._join()
         log.warning("shard %s: rejoined the index, republished %s", self.shard_id, self.reconcile())
 
-    def _forget_gone(self) -> None:
-        gone = self.store.take_gone()
-        if gone:
-            self.index.remove(gone, shard=self.shard_id)
-
-    def _publish(self, keys: list[ChunkKey]) -> None:
-        """Publishes the committed chunks among ``keys`` (bytes are in place)."""
-        entries = self.store.index_entries(self.shard_id, keys)
-        if entries and self.fenced:
-            raise Unavailable(f"shard {self.shard_id} was dropped from the pool (fenced): its chunks are not listed")
-        if entries:
-            try:
-                self.index.publish(entries)
-            except QuotaExceeded:
-                # NOTE: the index charges the tenant's quota across every shard and published
-                # nothing; bytes it will never list would hold the tenant's pages past its quota.
-                for tenant in {e.tenant for e in entries}:
-                    self.store.remove_many([e.key for e in entries if e.tenant == tenant], tenant)
-                raise
-        self._forget_gone()
-
     def info(self) -> dict:
         st = self.store
         return {"shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
                 "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "disk_pages": st.config.disk_pages,
-                "incarnation": self.incarnation,
-                "peer": None if self.node is None else self.node.peer_address}
+                "incarnation": self.incarnation, "peer": self.node.peer_address}
 
     def reconcile(self) -> dict:
         """Makes the index list what this shard holds. What the index refuses (a tenant over its
@@ -212,139 +187,6 @@ class ShardActor(Drills):
                         self.shard_id, len(r.refused), sorted(by_tenant))
         return {"published": r.published, "removed": r.removed, "refused": len(r.refused)}
 
-    # ---------------------------------------------------------------- same node (shared memory)
-    # ---------------------------------------------------------------- who and where
-    def _who(self, credential: str) -> Principal:
-        return who(self, credential)
-
-    def _where(self, p: Principal, raw, shared: bool) -> list[ChunkKey]:
-        return where(p, raw, shared)
-
-    def _writer(self, w) -> tuple[Principal, list[ChunkKey], ChunkKey | None]:
-        return writer(self, w.credential, w.keys, w.shared, w.parent)
-
-    def _own_hold(self, hold_id: int, credential: str) -> bool:
-        """Whether ``hold_id`` is the caller's (another tenant's hold is left alone, silently)."""
-        return self.store.hold_owner(hold_id) == self._who(credential).tenant
-
-    # ---------------------------------------------------------------- same node (shared memory)
-    def reserve(self, msg: Reserve) -> Reserved:
-        check_version(msg, "this shard")
-        check_version(msg.write, "this shard")
-        w = msg.write
-        self._maybe_stall()
-        p, where, parent = self._writer(w)
-        raw = dict(zip(where, (bytes(k) for k in w.keys)))
-        hid, places = self.store.reserve(where, list(msg.sizes), p.tenant, shared=w.shared, parent=parent,
-                                         first_position=w.first_position, request=self._request(w.request_id, p.tenant))
-        self._reserved[hid] = [pl.key for pl in places]  # what its commit publishes
-        return Reserved(hid, [Placement(raw[pl.key], pl.offset, pl.nbytes) for pl in places])
-
-    def commit(self, msg: Commit) -> int:
-        check_version(msg, "this shard")
-        if not self._own_hold(msg.hold_id, msg.credential):
-            raise ReservationGone(f"no reservation {msg.hold_id} of this caller: it was committed, aborted or expired")
-        n = self.store.commit(msg.hold_id, msg.checksums)
-        self._publish(self._reserved.pop(msg.hold_id, [])[:n])
-        return n
-
-    def abort(self, hold_id: int, credential: str = "") -> None:
-        if self._own_hold(hold_id, credential):
-            self.store.abort(hold_id)
-            self._reserved.pop(hold_id, None)
-
-    def lease_reads(self, msg: LeaseReads) -> Leased:
-        check_version(msg, "this shard")
-        self._maybe_stall()
-        t0 = time.perf_counter()
-        p = self._who(msg.credential)
-        hid, places = self.store.lease_reads(self._where(p, msg.keys, msg.shared), p.tenant, leading=msg.leading)
-        self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "shm")
-        return Leased(hid, [None if pl is None else Placement(bytes(k), pl.offset, pl.nbytes, pl.checksum)
-                            for k, pl in zip(msg.keys, places)])
-
-    def release(self, hold_id: int, corrupt=(), credential: str = "", shared: bool = False) -> None:
-        if self._own_hold(hold_id, credential):
-            p = self._who(credential)
-            self.store.release(hold_id, self._where(p, corrupt, shared))
-
-    # ---------------------------------------------------------------- requests in flight
-    def begin(self, keys, credential: str, priority: str | None = None, shared: bool = False) -> int:
-        """Leases the leading run of ``keys`` held here until ``end`` (or ``request_ttl_s``, so a
-        client that died does not pin chunks forever); the request id."""
-        p = self._who(credential)
-        req = self.store.begin(p.tenant, self._where(p, keys, shared), priority)
-        self._requests[req.id] = (req, time.monotonic() + self.request_ttl_s)
-        return req.id
-
-    def _request(self, request_id: int | None, tenant: str):
-        return joined_request(self, request_id, tenant)
-
-    def end(self, request_id: int, credential: str) -> bool:
-        """Ends the caller's request; False when it was unknown (expired, or the shard restarted)
-        or another tenant's."""
-        entry = self._requests.get(request_id)
-        if entry is not None and entry[0].tenant != self._who(credential).tenant:
-            return False
-        return self._end(request_id)
-
-    def _end(self, request_id: int) -> bool:
-        entry = self._requests.pop(request_id, None)
-        if entry is not None:
-            self.store.end(entry[0])
-        return entry is not None
-
-    def requests(self) -> list[int]:
-        return sorted(self._requests)
-
-    def _expire_requests(self) -> None:
-        now = time.monotonic()
-        for rid, (req, deadline) in list(self._requests.items()):
-            if deadline < now or req.cancelled:
-                log.warning("shard %s: request %d %s", self.shard_id, rid, "cancelled" if req.cancelled else "expired")
-                self._end(rid)
-
-    # ---------------------------------------------------------------- other nodes (bytes over Ray)
-    def put(self, msg: Put) -> int:
-        """Chunks whose bytes came with the call (from another node)."""
-        check_version(msg, "this shard")
-        check_version(msg.write, "this shard")
-        w = msg.write
-        self._maybe_stall()
-        p, keys, parent = self._writer(w)
-        stored = self.store.put_many(keys, msg.payloads, p.tenant, shared=w.shared, parent=parent,
-                                     first_position=w.first_position, request=self._request(w.request_id, p.tenant))
-        self._publish([k for k, s in zip(keys, stored) if s])
-        return sum(stored)
-
-    def get(self, msg: Get) -> Got:
-        """The leading run of chunks, verified (a bad one ends the run)."""
-        check_version(msg, "this shard")
-        self._maybe_stall()
-        t0 = time.perf_counter()
-        p = self._who(msg.credential)
-        out = []
-        for got in self.store.get_many(self._where(p, msg.keys, msg.shared), p.tenant):
-            if got is None:
-                break
-            out.append(got)
-        self.exporter.observe_get((time.perf_counter() - t0) * 1e3, "ray")
-        return Got(out)
-
-    def pin(self, keys, credential: str, shared: bool = False) -> int:
-        """Pins chunks held here (warm-up, an operator's), up to the policy's pinned cap; how many."""
-        p = self.auth.require(credential, "pinning (warm-up)")
-        return self.store.pin(self._where(p, keys, shared), p.tenant)
-
-    def remove(self, keys, credential: str, shared: bool = False) -> int:
-        """Removes the caller's own chunks of ``keys`` (the shared ones: an operator)."""
-        p = self._who(credential)
-        if shared:
-            self.auth.require(credential, "removing shared chunks")
-        n = self.store.remove_many(self._where(p, keys, shared), p.tenant)
-        self._forget_gone()
-        return n
-
     def export_metrics(self) -> None:
         self.store.stats()
         self.exporter.export()
@@ -357,9 +199,12 @@ class ShardActor(Drills):
         st["active_requests"] = len(self.store.active_requests())
         st["reconcile_refused"] = self.refused
         st["fenced"] = self.fenced
-        st["node_socket"] = None if self.node is None else self.node.info["socket"]
-        st["node_served"] = 0 if self.node is None else self.node.served
+        st["node_socket"] = self.node.info["socket"] if getattr(self, "node", None) else None
         return st
+
+    def node_stats(self) -> dict:
+        """:meth:`stats` and the doors' own figures (operations served, time in each, peer reads)."""
+        return self.node.stats()
 
     def drain(self, credential: str = "") -> int:
         """Leaves gracefully: ends the requests and read holds still open (their chunks become
@@ -367,11 +212,12 @@ class ShardActor(Drills):
         pool's own processes and operators only."""
         self.auth.require(credential, "draining a shard")
         self._stop.set()
-        for rid in list(self._requests):
-            self._end(rid)
+        for rid in list(self.service.requests):
+            self.service.end_here(rid, None)
         self.store.expire_holds(now=float("inf"))
-        if self.node is not None:
-            self.node.close()
+        self.node.close()
+        self.service.close()
+        self.members.close()
         keys = list(self.index.shard_keys(self.shard_id))
         n = self.index.remove(keys, shard=self.shard_id) if keys else 0
         self.store.close()
@@ -381,4 +227,4 @@ class ShardActor(Drills):
         return time.time()
 
     def free_pages(self) -> int:  # of its DRAM tier: a node without room spills to one with room
-        return self.store._cache.tier_pages[0] - self.store._cache.tier_used(0)
+        return self.service.free_pages()

@@ -4,9 +4,8 @@ shard was started with KVPOOL_DRILLS=1 (a mixin of cluster.shard.ShardActor)."""
 from __future__ import annotations
 
 import os
-import time
 
-from kvpool.errors import Forbidden, Unavailable
+from kvpool.errors import Forbidden
 from kvpool.keys import ChunkKey
 
 DRILLS_ENV = "KVPOOL_DRILLS"
@@ -27,13 +26,7 @@ class Drills:
         """Fault injection for drills and tests: every data-path call answers ``stall_s`` late
         (0 clears it). Membership and stats calls are not slowed."""
         self._drill("inject", credential)
-        self._stall_s = float(stall_s)
-
-    def _maybe_stall(self) -> None:
-        if self.fenced:
-            raise Unavailable(f"shard {self.shard_id} was dropped from the pool (fenced): ask the controller for the ring")
-        if self._stall_s:
-            time.sleep(self._stall_s)
+        self.service.stall_s = float(stall_s)
 
     def held(self, credential: str = "") -> list[bytes]:
         """Keys of the chunks this shard holds (to check that the index converged on them)."""

@@ -8,10 +8,8 @@ Config (a dict; vLLM passes it as ``kv_connector_extra_config``, SGLang as the b
 config):
 
 - ``backend``: ``"local"`` (default: an in-process pool, shared by every connector of this
-  process that names the same ``pool``), ``"node"`` (the cluster, through this node's shard:
-  the one to use for engines on a cluster) or ``"ray"`` (the cluster, with the engine a Ray
-  client of it);
-- ``"node"`` (:class:`kvpool.node.client.NodeClient`): the engine never joins Ray. It finds its
+  process that names the same ``pool``) or ``"node"`` (the cluster, through this node's shard);
+- ``"node"`` (:class:`kvpool.node.pool.NodePool`): the engine never joins Ray. It finds its
   node's shard through ``kvpool-<pool>-<shard>.node`` in ``run_dir`` (default
   ``$KVPOOL_RUN_DIR``, else /dev/shm: the shard's), reads same-node hits straight from shared
   memory and makes every other call on the shard's Unix socket, each within ``timeout_s``
@@ -19,9 +17,6 @@ config):
   nothing, tried again at most every second (at start, see below: ``degraded``). ``shard``
   names this node's shard where one machine runs several (else ``$KVPOOL_SHARD``). Every engine
   process opens its own client, so vLLM's scheduler and worker may run apart;
-- ``"ray"``: ``ray_address``, ``namespace``, ``index_url`` for a Redis index, ``timeout_s``
-  (default 5). The engine joins the Ray cluster: a Ray head that goes away takes the engine with
-  it (Ray's driver gives up after its GCS timeout), so prefer ``"node"``;
 - ``pool``: the pool's name (default ``"default"``); ``dram_mib`` a local pool's size (default 1024);
 - ``tenants``: the tenants the pool serves (default ``["default"]``), each an id or a dict with
   ``id``, the :class:`~kvpool.tenants.Tenant` settings (``quota_bytes``, ``priority``,
@@ -43,12 +38,11 @@ config):
   key: engines of other formats never read each other's chunks. A local pool sizes its pages to
   the stored chunk (``dram_mib`` holds ~1/bytes-ratio more chunks); a cluster pool needs
   ``kvpool up --page-size`` of at least the stored chunk (:func:`kvpool.codec.stored_nbytes`);
-- start-up: a ``"node"`` or ``"ray"`` pool must answer when the connector starts (``open_pool``):
-  the node's shard (its node file in ``run_dir``, then a ping on its socket) within
-  ``start_timeout_s`` (default 30: a pool that is starting is waited for, with a log line every few
-  seconds), the Ray cluster, the controller and the index. If it does not, the engine does not
-  start: ``Unavailable`` (503) names what did not answer and the fix. ``degraded`` (default
-  false; ``"node"`` only) starts the engine anyway (``start_timeout_s`` then defaults to 0): it
+- start-up: a ``"node"`` pool must answer when the connector starts (``open_pool``): the node's
+  shard (its node file in ``run_dir``, then a ping on its socket) within ``start_timeout_s``
+  (default 30: a pool that is starting is waited for, with a log line every few seconds). If it
+  does not, the engine does not start: ``Unavailable`` (503) names what did not answer and the
+  fix. ``degraded`` (default false; ``"node"`` only) starts the engine anyway (``start_timeout_s`` then defaults to 0): it
   logs that it runs DEGRADED, recomputing every prompt, until the pool answers (looked for again
   at most every second), and says so in its figures (``PoolHealth``: the connector's stats and
   its reports to ``kvpool stats``).
@@ -58,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import weakref
@@ -73,12 +66,11 @@ from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("kvpool.connectors")
-BACKENDS = ("local", "node", "ray")
+BACKENDS = ("local", "node")
 START_TIMEOUT_S = 30.0  # how long a connector waits at start for a "node" pool that is starting
 REPORT_S = 5.0  # how often a connector reports its figures (a heartbeat for `kvpool stats`)
 POKE_GAP_S = 0.5  # at most this often when its figures change
-KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "ray_address", "namespace",
-              "index_url", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
+KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
               "run_dir", "storage_format", "degraded", "start_timeout_s",
               "compress"}  # transformers connector only (kvpool.connectors.compress_store); paged engines refuse it
 NO_COMPRESS = ("compress (token eviction on save) is for the transformers connector only: {engine} is a paged "
@@ -116,7 +108,8 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
         raise BadRequest(f"unknown kvpool connector settings {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
     backend = config.get("backend", "local")
     if backend not in BACKENDS:
-        raise BadRequest(f"kvpool backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+        raise BadRequest(f"kvpool backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))} (a cluster's "
+                         "engines reach it through their node's shard: 'node')")
     tenants = config.get("tenants", ["default"])
     if not isinstance(tenants, (list, tuple)):
         raise BadRequest(f"tenants is a list of tenant ids or {{'id': ...}} dicts, got {type(tenants).__name__}")
@@ -135,9 +128,8 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(config.get("degraded", False), bool):
         raise BadRequest(f"degraded is true or false, got {config['degraded']!r}")
     if config.get("degraded") and backend != "node":
-        raise BadRequest(f"degraded: true needs backend 'node' (a {backend!r} engine "
-                         f"{'has no pool to miss' if backend == 'local' else 'joins the Ray cluster at start'}): "
-                         "use backend 'node', or remove degraded")
+        raise BadRequest("degraded: true needs backend 'node' (a local pool has no pool to miss): use backend "
+                         "'node', or remove degraded")
     if "start_timeout_s" in config:
         try:
             ok = float(config["start_timeout_s"]) >= 0
@@ -157,7 +149,7 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
                          "set credentials_file or the tenants' credential instead")
     return {"backend": backend, "pool": config.get("pool", "default"), "dram_mib": int(config.get("dram_mib", 1024)),
             "tenants": list(tenants), "chunk_tokens": int(config.get("chunk_tokens", 256)), "storage_format": fmt,
-            **{k: config[k] for k in ("tenant", "ray_address", "namespace", "index_url", "timeout_s", "policy",
+            **{k: config[k] for k in ("tenant", "timeout_s", "policy",
                                       "load_min_tokens", "credentials_file", "secret_file", "shard", "run_dir",
                                       "degraded", "start_timeout_s")
                if k in config}}
@@ -206,8 +198,8 @@ def pool_authority(config: dict[str, Any]) -> Authority:
 
 
 def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
-    """A ``LocalPool`` or a ``ClusterPool`` (over a NodeClient or a PoolClient) for ``spec``: same
-    surface (keys, lookup, begin, load, save, end)."""
+    """A ``LocalPool`` or a ``NodePool`` (through this node's shard) for ``spec``: same surface
+    (keys, lookup, begin, load, save, end)."""
     cfg = check_config(config or {})
     if "storage_format" in (config or {}) and cfg["storage_format"] != spec.storage_format:
         raise BadRequest(f"the config's storage_format {cfg['storage_format']!r} is not the spec's "
@@ -231,16 +223,13 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
                 for t in tenants:
                     store.tenants.add(t)
         return LocalPool(spec, store, pool_authority(cfg))
-    from kvpool.cluster.pool import ClusterPool
+    from kvpool.node.client import NodeClient  # NOTE: no Ray on this path: the engine never joins the cluster
+    from kvpool.node.pool import NodePool
 
-    if cfg["backend"] == "node":  # NOTE: no Ray on this path: the engine never joins the cluster
-        from kvpool.node.client import NodeClient
-
-        client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
-                            timeout_s=float(cfg.get("timeout_s", 2.0)))
-        _node_answers(client, cfg)
-        return ClusterPool(spec, client, tenants)
-    return ClusterPool(spec, _ray_client(cfg), tenants)
+    client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
+                        timeout_s=float(cfg.get("timeout_s", 2.0)))
+    _node_answers(client, cfg)
+    return NodePool(spec, client, tenants)
 
 
 def _node_answers(client, cfg: dict[str, Any]) -> None:
@@ -261,31 +250,6 @@ def _node_answers(client, cfg: dict[str, Any]) -> None:
     raise Unavailable(f"the kvpool pool {cfg['pool']!r} did not answer at start: {why}. Start the pool (`kvpool up` "
                       "on this node), fix the connector's settings (run_dir, pool, shard), or set \"degraded\": true "
                       "to start without it (recomputing everything until it answers)")
-
-
-def _ray_client(cfg: dict[str, Any]):
-    """A PoolClient for a "ray" pool; Unavailable naming the Ray address, the controller or the
-    index that did not answer."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    from kvpool.cluster.client import PoolClient
-
-    addr, ns = cfg.get("ray_address", "auto"), cfg.get("namespace")
-    fix = ("start the pool (`kvpool up`), fix the connector's ray_address / namespace / index_url, or use backend "
-           "'node' with \"degraded\": true to start without it")
-    if not ray.is_initialized():
-        try:
-            ray.init(address=addr, namespace=ns, logging_level="ERROR", log_to_driver=False)
-        except Exception as e:  # noqa: BLE001 - ConnectionError, RuntimeError, ...: all "Ray is not there"
-            raise Unavailable(f"the Ray cluster at ray_address={addr!r} did not answer at start ({type(e).__name__}: "
-                              f"{e}): {fix}") from None
-    try:
-        return PoolClient(index_url=cfg.get("index_url"), timeout_s=float(cfg.get("timeout_s", 5.0)), namespace=ns)
-    except Unavailable as e:
-        raise Unavailable(f"the kvpool pool did not answer at start: {e.message}; {fix}") from None
-    except ValueError as e:  # ray.get_actor: no such actor
-        raise Unavailable(f"no kvpool controller in Ray namespace {ns!r} at {addr!r} ({e}): {fix}") from None
 
 
 class PoolHealth:
@@ -310,7 +274,7 @@ class PoolHealth:
             return self._up
         self._checked = now
         client = getattr(self.pool, "client", None)
-        up = client is None or not hasattr(client, "node_files") or bool(client.shards)  # a NodeClient: look
+        up = client is None or bool(client.shards)  # a NodePool: its shard answers
         if up != self._up:
             if up:
                 self.degraded_s += now - self._down_since

@@ -10,7 +10,7 @@ storage backend (L3). This module is such a backend, loaded by SGLang's own fact
 
 SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``,
 ``tp_lcm_size``, the ``prefetch_*`` knobs, ...) are stripped; the rest is the pool config of
-:mod:`kvpool.connectors.pools` (``backend`` local/node/ray, ``pool``, ``dram_mib``, ``tenants``,
+:mod:`kvpool.connectors.pools` (``backend`` local/node, ``pool``, ``dram_mib``, ``tenants``,
 ``tenant``, ...), checked by its ``check_config`` (an unknown key is a BadRequest naming the known
 ones). ``"storage_format"`` (``"fp8"``, ``"int8"``, ``"int4-kivi"``, ``"int2-kivi"``) stores pages
 quantized: LOSSY and opt-in, a page read back is close to, not equal to, the page written. The

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from kvpool.auth import Authority
-from kvpool.errors import BadRequest
+from kvpool.errors import BadRequest, Unavailable
 from kvpool.progress import Progress
 
 
@@ -64,15 +64,17 @@ def warmup(conn, entries: list[dict], *, pin: bool = True, progress: bool = True
 
 
 def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_tokens: int = 64,
-        ray_address: str | None = None, redis: str | None = None, pin: bool = True, progress: bool = True) -> dict:
-    """Warm-up of a running pool (``kvpool up``) from FILE."""
+        pool: str = "default", shard: str | None = None, run_dir: str | None = None, pin: bool = True,
+        progress: bool = True) -> dict:
+    """Warm-up of a running pool (``kvpool up``) from FILE, through this node's shard (found in
+    ``run_dir`` as an engine finds it, kvpool.node.connection)."""
     import torch
 
-    from kvpool.cluster import ops
-    from kvpool.cluster.client import PoolClient
-    from kvpool.cluster.pool import ClusterPool
     from kvpool.connectors.hf import HFConnector
     from kvpool.connectors.hf_model import model_spec
+    from kvpool.node.client import NodeClient
+    from kvpool.node.pool import NodePool
+    from kvpool.node.probe import wait_until_up
     from kvpool.tenants import Tenant
 
     entries = load_entries(path)
@@ -80,16 +82,18 @@ def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_to
     m = load_model(model)
     spec = model_spec(m, model_id=model_id or ("kvpool/demo-llama" if model == "demo" else model),
                       chunk_tokens=chunk_tokens)
-    ops.connect(ray_address, start_local=False)
-    client = PoolClient(namespace=ops.NAMESPACE, index_url=redis, timeout_s=10.0, refresh=False)
+    client = NodeClient(pool=pool, shard=shard, directory=run_dir, timeout_s=10.0)
     try:
-        pool = ClusterPool(spec, client, [Tenant(t) for t in sorted({e["tenant"] for e in entries})])
-        if pool.secured:  # warm-up is an operator's: it acts in each tenant's account with the pool secret
+        why = wait_until_up(client, 10.0)
+        if why is not None:
+            raise Unavailable(f"warm-up needs the pool's shard on this node: {why}")
+        node_pool = NodePool(spec, client, [Tenant(t) for t in sorted({e["tenant"] for e in entries})])
+        if node_pool.secured:  # warm-up is an operator's: it acts in each tenant's account with the pool secret
             from kvpool.auth_cli import find_secret
 
             auth = Authority(find_secret()[0])  # a BadRequest naming where the secret goes when there is none
             entries = [{**e, "credential": auth.issue(e["tenant"], "operator")} for e in entries]
-        return warmup(HFConnector(m, pool), entries, pin=pin, progress=progress)
+        return warmup(HFConnector(m, node_pool), entries, pin=pin, progress=progress)
     finally:
         client.close()
 

@@ -122,7 +122,7 @@ def _up(args: argparse.Namespace) -> int:
     from kvpool.cluster import ops
 
     state = ops.cmd_up(args.ray_address, args.redis, store, tenants, secret_file=args.secret_file)
-    print(f"kvpool is up: {len(state['shards'])} shards, ring version {state['version']}")
+    print(f"kvpool is up: {len(state['shards'])} shards, membership version {state['version']}")
     print(f"  pool secret: {state['secret_from']} (issue credentials with `kvpool auth issue TENANT`)")
     print("\n".join(describe(store, chunk, args)))
     for sid, info in sorted(state["shards"].items()):
@@ -150,8 +150,8 @@ def _stats(args: argparse.Namespace) -> int:
 def _warmup(args: argparse.Namespace) -> int:
     from kvpool.connectors import warmup
 
-    r = warmup.run(args.file, args.model, model_id=args.model_id, chunk_tokens=args.chunk_tokens,
-                   ray_address=args.ray_address, redis=args.redis, pin=not args.no_pin, progress=not args.json)
+    r = warmup.run(args.file, args.model, model_id=args.model_id, chunk_tokens=args.chunk_tokens, pool=args.pool,
+                   shard=args.shard, run_dir=args.run_dir, pin=not args.no_pin, progress=not args.json)
     emit(r, indent=None) if args.json else print(
           f"warm-up: {r['prefixes']} prefixes, {r['stored_chunks']} chunks stored, {r['pinned_chunks']} pinned"
           + (f", {r['skipped']} shorter than a chunk" if r["skipped"] else ""))
@@ -213,8 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default="demo", help="a local transformers model directory, or 'demo'")
     w.add_argument("--model-id", help="the model name engines use (default: the --model value)")
     w.add_argument("--chunk-tokens", type=int, default=64)
-    w.add_argument("--ray-address")
-    w.add_argument("--redis", help="the index's Redis URL, when the pool keeps its index there")
+    w.add_argument("--pool", default="default", help="the pool's name (default: default)")
+    w.add_argument("--shard", help="this node's shard, where one machine runs several (default: $KVPOOL_SHARD)")
+    w.add_argument("--run-dir", help="where this node's shard keeps its node files (default: $KVPOOL_RUN_DIR, "
+                   "else /dev/shm)")
     w.add_argument("--no-pin", action="store_true", help="store the prefixes without pinning them")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_warmup)

@@ -1,6 +1,7 @@
 """The one surface every pool gives an engine connector: ``LocalPool`` (in-process) and
-``ClusterPool`` (a Ray cluster) both implement :class:`Pool`, and ``tests/test_pool_contract.py``
-runs every case on both, so connectors never branch on which one they hold."""
+``NodePool`` (a pool of many nodes, through this node's shard) both implement :class:`Pool`, and
+``tests/test_pool_contract.py`` runs every case on both, so connectors never branch on which one
+they hold."""
 
 from __future__ import annotations
 

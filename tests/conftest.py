@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -237,3 +238,54 @@ def scrape_metrics(want: list[str], timeout_s: float = 45) -> str:
     wait_for(holds_every_metric, timeout_s, interval_s=1, ignore=(AssertionError,),
              what=f"the metrics {want} on the Prometheus endpoints of ports {ports}")
     return text
+
+
+class ClusterPool:
+    """A pool on a local multi-node Ray cluster (kvpool.cluster.local), its node files in a run dir
+    of the test's own; ``shards`` lists its shards' ids, the head's first. Engines' side:
+    ``client(i)``, a NodeClient of shard ``i`` (no Ray in it)."""
+
+    def __init__(self, run: str, namespace: str, cluster, workers, shards: list[str]) -> None:
+        self.run, self.namespace, self.cluster, self.workers, self.shards = run, namespace, cluster, workers, shards
+
+    @property
+    def head(self) -> str:
+        return self.shards[0]
+
+    def client(self, which: int | str = 0, **kw):
+        from kvpool.node.client import NodeClient
+
+        sid = which if isinstance(which, str) else self.shards[which]
+        return NodeClient(shard=sid, directory=self.run, **kw)
+
+    def actor(self, which: int | str = 0):
+        import ray
+
+        from kvpool.cluster.shard import shard_name
+
+        sid = which if isinstance(which, str) else self.shards[which]
+        return ray.get_actor(shard_name("default", sid), namespace=self.namespace)
+
+    def controller(self):
+        import ray
+
+        from kvpool.cluster.controller import CONTROLLER
+
+        return ray.get_actor(CONTROLLER, namespace=self.namespace)
+
+
+@contextlib.contextmanager
+def cluster_pool(run: str, nodes: int, namespace: str, system_config: dict | None = None, **up_kw):
+    """``with cluster_pool(str(tmp), 2, "ns", store=..., tenants=...) as cp:``; torn down after."""
+    import ray
+
+    from kvpool.cluster.bootstrap import shard_id_of, up
+    from kvpool.cluster.local import local_cluster
+    from kvpool.node.paths import own_run_dir
+
+    with own_run_dir(run), local_cluster(nodes, namespace=namespace, system_config=system_config) as (c, workers):
+        up(namespace=namespace, **up_kw)
+        shards = [shard_id_of(ray.get_runtime_context().get_node_id())] + [shard_id_of(w.node_id) for w in workers]
+        wait_for(lambda: all(os.path.exists(os.path.join(run, f"kvpool-default-{s}.node")) for s in shards), 30,
+                 what="every shard's node file")
+        yield ClusterPool(run, namespace, c, workers, shards)

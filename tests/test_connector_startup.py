@@ -178,7 +178,7 @@ def test_stats_show_degraded_engines_failed_loads_and_silence():
         "vllm n pid 2": {"load_gbps": None, "prefill_ms_per_token": None, "loads": 0, "recomputes": 0,
                          "degraded": True, "degraded_s": 42.0, "every_s": 5.0, "reported_at": now - 12},
     }
-    text = format_stats({"ring_version": 1, "shards": {}, "engines": engines})
+    text = format_stats({"version": 1, "shards": {}, "engines": engines})
     m, n = text.split("vllm n pid 2")
     assert "3 loads, 1 recomputes, 2 failed loads (3584 tokens recomputed, not hits)" in m
     assert "DEGRADED" not in m and "silent" not in m

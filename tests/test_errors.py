@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-import kvpool.cluster.messages  # noqa: F401 - registers WireMismatch
+import kvpool.node.messages  # noqa: F401 - registers WireMismatch
 import kvpool.connectors.families  # noqa: F401 - registers UnsupportedModel
 from kvpool.errors import KvPoolError
 

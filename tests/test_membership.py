@@ -15,16 +15,15 @@ import time
 
 import pytest
 import ray
-from conftest import OwnRedis, free_port, make_keys, payload, wait_for
+from conftest import OwnRedis, cluster_pool, free_port, make_keys, payload, wait_for
 
 from kvpool.cluster.bootstrap import shard_id_of, up
-from kvpool.cluster.client import PoolClient
 from kvpool.cluster.controller import ADOPT_TRIES, CONTROLLER
-from kvpool.cluster.local import local_cluster
 from kvpool.cluster.shard import DRILLS_ENV, shard_name
 from kvpool.errors import BadRequest, KvPoolError, Unavailable
 from kvpool.index.redis_index import RedisIndex
 from kvpool.keys import ChunkKey
+from kvpool.node import messages as m
 from kvpool.slab import sweep_orphans
 from kvpool.tenants import UNLIMITED
 
@@ -44,20 +43,22 @@ def redis(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(redis):
+def cluster(redis, tmp_path_factory):
     fast = {"health_check_failure_threshold": 2, "health_check_period_ms": 500, "health_check_initial_delay_ms": 0}
-    os.environ[DRILLS_ENV] = "1"
+    mp = pytest.MonkeyPatch()
+    mp.setenv(DRILLS_ENV, "1")
+    up_kw = {k: v for k, v in UP.items() if k != "namespace"}
     try:
-        with local_cluster(3, namespace=NS, system_config=fast) as (c, nodes):
-            up(index_url=redis.url, **UP)
-            yield c, nodes
+        with cluster_pool(str(tmp_path_factory.mktemp("run")), 3, NS, system_config=fast, index_url=redis.url,
+                          **up_kw) as cp:
+            yield cp
     finally:
-        os.environ.pop(DRILLS_ENV, None)
+        mp.undo()
 
 
 @pytest.fixture(scope="module")
-def client(cluster, redis):
-    cl = PoolClient(index_url=redis.url, timeout_s=1.5, namespace=NS)
+def client(cluster):
+    cl = cluster.client(timeout_s=1.5)  # the engine on the head's node
     yield cl
     cl.close()
 
@@ -103,6 +104,8 @@ def test_a_reconcile_publishes_what_it_can_and_drops_what_the_index_refuses(clie
     ka, kb = make_keys(12, seed=101), make_keys(12, seed=102)
     assert client.put("a", ka, [payload(i, PAGE) for i in range(12)]) == 12
     assert client.put("b", kb, [payload(i, PAGE) for i in range(12)]) == 12
+    wait_for(lambda: all(idx.get(k) for k in client.addresses("a", ka) + client.addresses("b", kb)), 10,
+             what="the chunks listed in the index")
     before = listed(idx)
     tenant_of = {k: idx.get(k).tenant for keys in before.values() for k in keys}
     of_a = {k for k, t in tenant_of.items() if t == "a"}
@@ -127,7 +130,7 @@ def test_a_reconcile_publishes_what_it_can_and_drops_what_the_index_refuses(clie
 
 
 def test_operator_quotas_survive_redis_restarted_empty(cluster, client, redis, idx):
-    sids = set(client.shards)
+    sids = ring()[1]
     idx.set_quota("b", 12345)
     idx.set_priority("b", "high")
     time.sleep(2.0)  # a few controller passes: it has seen the operator state
@@ -150,7 +153,7 @@ def test_operator_quotas_survive_redis_restarted_empty(cluster, client, redis, i
 def test_a_paused_redis_is_an_outage_and_drops_no_shard(client, redis, idx):
     keys = make_keys(20, seed=103)
     assert client.put("a", keys, [payload(i, PAGE) for i in range(20)]) == 20
-    wait_for(lambda: all_alive(idx, client.shards), 20, interval_s=0.3, ignore=SETTLING, what="every shard alive")
+    wait_for(lambda: all_alive(idx, ring()[1]), 20, interval_s=0.3, ignore=SETTLING, what="every shard alive")
     version, sids = ring()
     redis.proc.send_signal(signal.SIGSTOP)
     try:
@@ -162,32 +165,24 @@ def test_a_paused_redis_is_an_outage_and_drops_no_shard(client, redis, idx):
     assert client.lookup("a", keys).count == 20  # and their entries still listed
 
 
-def test_a_shard_the_controller_dropped_is_fenced_until_registered_again(cluster, client, idx):
-    c, nodes = cluster
-    sid = shard_id_of(nodes[0].node_id)
+def test_a_shard_the_controller_dropped_is_fenced_until_registered_again(cluster, idx):
+    sid = cluster.shards[1]
     h = shard(sid)
     keys = make_keys(8, seed=104)
-    client.put("a", keys, [payload(i, PAGE) for i in range(8)])
+    engine = cluster.client(sid, timeout_s=1.5)  # an engine on that node
+    assert engine.put("a", keys, [payload(i, PAGE) for i in range(8)]) == 8
     ray.get(controller().deregister.remote(sid), timeout=10)
     idx.forget_shard(sid)  # what the controller does to a shard it drops
     wait_for(lambda: ray.get(h.stats.remote(), timeout=10)["fenced"], 10, interval_s=0.2, what=f"{sid} fenced")
     time.sleep(2 * TTL)  # today: it rejoins and republishes at its next heartbeat
     assert sid not in idx.shards() and not idx.shard_keys(sid)
     with pytest.raises(Unavailable, match="fenced"):
-        try:
-            ray.get(h.get.remote(_get_msg(keys)), timeout=10)
-        except ray.exceptions.RayTaskError as e:
-            raise e.cause from None
+        engine.call(m.Get("a", [bytes(k) for k in keys]))
+    engine.close()
     up(index_url=idx.url, **UP)  # registered again: it rejoins
     wait_for(lambda: idx.shards().get(sid) and not ray.get(h.stats.remote(), timeout=10)["fenced"], 15,
              interval_s=0.2, ignore=SETTLING, what=f"{sid} back in the index")
     assert sid in ring()[1]
-
-
-def _get_msg(keys):
-    from kvpool.cluster.messages import Get
-
-    return Get(credential="a", keys=[bytes(k) for k in keys], shared=False)
 
 
 def test_a_listed_shard_the_controller_cannot_reach_is_purged(cluster, idx):
@@ -211,13 +206,14 @@ def test_a_listed_shard_the_controller_cannot_reach_is_purged(cluster, idx):
         t.join(5)
 
 
-def test_a_killed_node_s_shard_is_purged_even_while_it_heartbeats(cluster, client, idx):
-    c, nodes = cluster
-    victim_node = nodes[-1]
+def test_a_killed_node_s_shard_is_purged_even_while_it_heartbeats(cluster, idx):
+    victim_node = cluster.workers[-1]
     victim = shard_id_of(victim_node.node_id)
     keys = make_keys(40, seed=105)
-    client.put("a", keys, [payload(i, PAGE) for i in range(40)])
-    assert idx.shard_keys(victim)
+    engine = cluster.client(victim, timeout_s=1.5)
+    assert engine.put("a", keys, [payload(i, PAGE) for i in range(40)]) == 40
+    engine.close()
+    wait_for(lambda: idx.shard_keys(victim), 10, what=f"{victim}'s chunks listed")
     stop = threading.Event()
 
     def zombie():  # its process outlived its raylet and keeps heartbeating
@@ -230,7 +226,7 @@ def test_a_killed_node_s_shard_is_purged_even_while_it_heartbeats(cluster, clien
     t = threading.Thread(target=zombie, daemon=True)
     t.start()
     try:
-        c.remove_node(victim_node, allow_graceful=False)
+        cluster.cluster.remove_node(victim_node, allow_graceful=False)
         wait_for(lambda: victim not in idx.shards() and not idx.shard_keys(victim), 30, interval_s=0.3,
                  ignore=SETTLING, what=f"{victim}'s entries and membership purged")
         time.sleep(2 * TTL)

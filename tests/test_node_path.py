@@ -18,6 +18,8 @@ from kvpool.cluster.shard import shard_name
 from kvpool.errors import BadRequest, ChunkTooLarge, QuotaExceeded
 from kvpool.index.redis_index import RedisIndex
 from kvpool.node.client import NodeClient
+from kvpool.node.messages import PutStaged
+from kvpool.node.paths import own_run_dir
 
 NS = "kvpool-node-path"
 PAGE = 64 << 10
@@ -35,22 +37,14 @@ def redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(redis, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("run"))
-    old = os.environ.get("KVPOOL_RUN_DIR")
-    os.environ["KVPOOL_RUN_DIR"] = run  # the shards (started below) inherit it
-    try:
-        with local_cluster(2, namespace=NS) as (c, nodes):
-            up(index_url=redis.url, **UP)
-            head = shard_id_of(ray.get_runtime_context().get_node_id())
-            other = shard_id_of(nodes[0].node_id)
-            wait_for(lambda: len([f for f in os.listdir(run) if f.endswith(".node")]) == 2, 30,
-                     what="both shards' node files")
-            yield {"run": run, "head": head, "other": other, "redis": redis}
-    finally:
-        if old is None:
-            os.environ.pop("KVPOOL_RUN_DIR", None)
-        else:
-            os.environ["KVPOOL_RUN_DIR"] = old
+    # the shards (started below) inherit the run dir
+    with own_run_dir(str(tmp_path_factory.mktemp("run"))) as run, local_cluster(2, namespace=NS) as (c, nodes):
+        up(index_url=redis.url, **UP)
+        head = shard_id_of(ray.get_runtime_context().get_node_id())
+        other = shard_id_of(nodes[0].node_id)
+        wait_for(lambda: len([f for f in os.listdir(run) if f.endswith(".node")]) == 2, 30,
+                 what="both shards' node files")
+        yield {"run": run, "head": head, "other": other, "redis": redis}
 
 
 def client(pool, which="head", **kw):
@@ -59,7 +53,7 @@ def client(pool, which="head", **kw):
 
 def ops(c: NodeClient) -> dict:
     """The time the shard spent in each operation but ``stats`` (the asking itself)."""
-    return {k: v for k, v in c._call("stats", {})[0]["node_op_s"].items() if k != "stats"}
+    return {k: v for k, v in c.shard_stats()["node_op_s"].items() if k != "stats"}
 
 
 def test_a_same_node_hit_costs_no_call_and_is_exact(pool):
@@ -102,7 +96,7 @@ def test_another_nodes_chunks_come_through_the_shard(pool):
     got = reader.get("a", keys)
     assert [bytes(g) for g in got] == [bytes(d) for d in data]
     assert reader.counts["get_remote"] >= 1
-    assert reader._call("stats", {})[0]["peer_fetched"] >= 3  # straight from the other shard, not through Ray
+    assert reader.shard_stats()["peer_fetched"] >= 3  # straight from the other shard, not through Ray
     writer.close()
     reader.close()
 
@@ -176,8 +170,7 @@ def test_small_writes_go_through_the_connections_staging_file_in_one_call(pool):
     assert stages and all(os.stat(path).st_mode & 0o777 == 0o600 for path in stages)
     # the shard checks what the engine says about the staging file
     with pytest.raises(BadRequest, match="outside"):
-        c._call("put_staged", {"credential": "a", "keys": [bytes(make_keys(1, seed=62)[0])], "sizes": [PAGE],
-                               "offsets": [(8 << 20) - 16]}, prepare=lambda ch, args, d: args)
+        c.call(PutStaged("a", [bytes(make_keys(1, seed=62)[0])], sizes=[PAGE], offsets=[(8 << 20) - 16]))
     c.close()
     wait_for(lambda: not [path for path in stages if os.path.exists(path)], 5,
              what="the staging files removed with their connections")
@@ -186,8 +179,7 @@ def test_small_writes_go_through_the_connections_staging_file_in_one_call(pool):
 def test_put_staged_needs_a_staging_file_first(pool):
     c = NodeClient(shard=pool["head"], directory=pool["run"])
     with pytest.raises(BadRequest, match="stage"):
-        c._call("put_staged", {"credential": "a", "keys": [bytes(make_keys(1, seed=63)[0])], "sizes": [16],
-                               "offsets": [0]})
+        c.call(PutStaged("a", [bytes(make_keys(1, seed=63)[0])], sizes=[16], offsets=[0]))
     c.close()
 
 

@@ -1,4 +1,4 @@
-"""kvpool.node.te: one-sided reads between two real processes over loopback TCP with Mooncake's transfer engine."""
+"""kvpool.bench.te: one-sided reads between two real processes over loopback TCP with Mooncake's transfer engine."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import IN_CI, wait_for
 
 from kvpool.errors import BadRequest, Unavailable
-from kvpool.node import te
+from kvpool.bench import te
 
 KiB, MiB = 1 << 10, 1 << 20
 PEER_BYTES = 48 * MiB
@@ -22,7 +22,7 @@ SEED = 1234
 PEER = f"""
 import sys
 import numpy as np
-from kvpool.node.te import TransferEngine
+from kvpool.bench.te import TransferEngine
 buf = np.random.default_rng({SEED}).integers(0, 256, {PEER_BYTES}, dtype=np.uint8)
 engine = TransferEngine()
 print(engine.session, engine.register(buf), flush=True)

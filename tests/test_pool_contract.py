@@ -1,5 +1,5 @@
 """One contract for both pools: every case runs on the in-process ``LocalPool`` and on a
-``ClusterPool`` over a real 2-node Ray cluster, and must give the same results (hits, misses,
+``NodePool`` (the engines' client, through its node's shard) over a real 2-node pool, and must give the same results (hits, misses,
 payloads of the wrong size, requests in flight, quotas, tenants, bad input)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import wait_for
+from conftest import cluster_pool, wait_for
 
 from kvpool import KVSpec, Tenant, TenantRegistry
 from kvpool.errors import KvPoolError, LayoutMismatch, UnknownTenant
@@ -21,25 +21,27 @@ PAGES = 64
 
 
 @pytest.fixture(scope="module")
-def cluster_pool():
-    from kvpool.cluster.bootstrap import up
-    from kvpool.cluster.client import PoolClient
-    from kvpool.cluster.local import local_cluster
-    from kvpool.cluster.pool import ClusterPool
+def cluster(tmp_path_factory):
+    with cluster_pool(str(tmp_path_factory.mktemp("run")), 2, "kvpool-contract",
+                      store={"page_bytes": SPEC.chunk_nbytes, "dram_pages": PAGES},
+                      tenants=[{"id": t.id, "quota_bytes": t.quota_bytes} for t in TENANTS], ttl_s=2.0) as cp:
+        yield cp
 
-    with local_cluster(2, namespace="kvpool-contract"):
-        up(store={"page_bytes": SPEC.chunk_nbytes, "dram_pages": PAGES},
-           tenants=[{"id": t.id, "quota_bytes": t.quota_bytes} for t in TENANTS], ttl_s=2.0)
-        client = PoolClient(timeout_s=5.0)
-        yield ClusterPool(SPEC, client, TENANTS)
-        client.close()
+
+@pytest.fixture(scope="module")
+def node_pool(cluster):
+    from kvpool.node.pool import NodePool
+
+    client = cluster.client(timeout_s=5.0)
+    yield NodePool(SPEC, client, TENANTS)
+    client.close()
 
 
 @pytest.fixture(params=["local", "cluster"])
 def pool(request) -> Pool:
     if request.param == "local":
         return LocalPool.create(SPEC, TenantRegistry(list(TENANTS)), PAGES)
-    return request.getfixturevalue("cluster_pool")
+    return request.getfixturevalue("node_pool")
 
 
 _prompts = iter(range(10**6))
@@ -79,9 +81,7 @@ def test_saved_chunks_come_back_bit_for_bit_as_the_leading_run(pool):
     assert len(keys) == 3 and pool.save("a", keys, chunks) == 3
     assert pool.lookup("a", keys) == 3 * SPEC.chunk_tokens
     assert all(torch.equal(x, y) for x, y in zip(pool.load("a", keys), chunks, strict=True))
-    views = list(pool.load_views("a", keys))
-    assert len(views) == 3
-    for view, want in zip(views, chunks, strict=True):
+    for view, want in zip(pool.load_views("a", keys), chunks, strict=True):  # valid until the next but one
         with view:
             assert torch.equal(view.kv, want)
     diverged = tokens.copy()
@@ -152,41 +152,43 @@ def test_bad_input_is_a_typed_error_that_changes_nothing(pool):
     assert pool.lookup("a", keys) == 0  # the good chunk before the bad one was not written either
 
 
-def test_a_shard_and_a_client_of_other_wire_versions_refuse_each_other(cluster_pool):
+def test_a_shard_and_a_client_of_other_wire_versions_refuse_each_other(node_pool, tmp_path):
     """What crosses the shard boundary is a versioned message: a shard refuses a request of
     another version with an error that says so (a write raises it to the caller; a read is a
-    miss, as every failed read), and a client refuses a reply of another version."""
-    import ray
+    miss, as every failed read), and an engine does not use a shard whose node file names another."""
+    import json
+    import time
 
-    from kvpool.cluster.messages import WIRE_VERSION, Get, Got, Put, Reserve, WireMismatch, Write, check_version
-    from kvpool.cluster.shard import shard_name
+    from kvpool.node import messages as m
+    from kvpool.node import wire
+    from kvpool.node.client import NodeClient
 
-    client = cluster_pool.client
-    shard = ray.get_actor(shard_name(client.pool, next(iter(client.shards))), namespace=client.namespace)
-    key = bytes(cluster_pool.keys("a", prompt(1))[0])
-    old = Write([key], "a", version=0)
-    with pytest.raises(WireMismatch, match=f"wire version {WIRE_VERSION} but got a Write of version 0"):
-        ray.get(shard.reserve.remote(Reserve(old, [SPEC.chunk_nbytes])), timeout=10)
-    with pytest.raises(WireMismatch, match="Put of version 99"):
-        ray.get(shard.put.remote(Put(Write([key], "a"), [np.zeros(SPEC.chunk_nbytes, np.uint8)], version=99)),
-                timeout=10)
-    with pytest.raises(WireMismatch, match="Get of version 99"):
-        ray.get(shard.get.remote(Get([key], "a", version=99)), timeout=10)
-    with pytest.raises(WireMismatch, match=f"this client speaks kvpool wire version {WIRE_VERSION} but got a Got of version 99"):
-        check_version(Got([], version=99), "this client")
-    assert cluster_pool.lookup("a", [ChunkKey(key)]) == 0  # nothing was written by the refused calls
+    client = node_pool.client
+    key = bytes(node_pool.keys("a", prompt(1))[0])
+    ch = client._dial(client._attached().info["socket"], time.monotonic() + 5)
+    for msg in (m.Reserve("a", [key], sizes=[SPEC.chunk_nbytes]), m.Get("a", [key]), m.Lookup("a", [key])):
+        ch.send([msg.OP, 99, msg.encode(), 5.0, []], deadline=time.monotonic() + 5)
+        ok, err, _ = ch.recv_header(deadline=time.monotonic() + 5)
+        assert not ok
+        with pytest.raises(m.WireMismatch, match=f"wire version {m.WIRE_VERSION} but got {msg.OP} of version 99"):
+            raise wire.decode_error(err)
+    ch.close()
+    assert node_pool.lookup("a", [ChunkKey(key)]) == 0  # nothing was written by the refused calls
+    info = dict(client._attached().info, wire=99)
+    (tmp_path / "kvpool-default-x.node").write_text(json.dumps(info))
+    other = NodeClient(directory=str(tmp_path))
+    assert other.shards == {} and other.counts["wire_mismatch"] == 1
+    other.close()
 
 
-def test_a_production_shard_answers_no_drill(cluster_pool):
+def test_a_production_shard_answers_no_drill(cluster):
     """Stalling a shard, listing what it holds and locating a chunk in its slab are drills: a
     shard started without KVPOOL_DRILLS=1 refuses them (403), whoever asks."""
     import ray
 
-    from kvpool.cluster.shard import shard_name
     from kvpool.errors import Forbidden
 
-    client = cluster_pool.client
-    shard = ray.get_actor(shard_name(client.pool, next(iter(client.shards))), namespace=client.namespace)
+    shard = cluster.actor(0)
     for call in (shard.inject.remote(stall_s=5.0), shard.held.remote(), shard.locate.remote(b"k" * 16)):
         with pytest.raises(Forbidden, match="KVPOOL_DRILLS=1"):
             ray.get(call, timeout=10)

@@ -4,7 +4,7 @@ import pytest
 from conftest import make_keys
 
 from kvpool import BadRequest
-from kvpool.cluster.ring import HashRing
+from kvpool.cluster.bench.ring import HashRing
 from kvpool.errors import Unavailable
 
 KEYS = make_keys(20000, chunk_tokens=1, seed=4)

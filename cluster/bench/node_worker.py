@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from kvpool.bench import peer_procs as W
+from kvpool.node.messages import Hello
 
 TENANT = "bench"
 FILLER_BYTES = 4096
@@ -157,12 +158,12 @@ class _Engine:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            self.client._call("hello", {})
+            self.client.call(Hello())
             times.append(time.perf_counter() - t0)
         return {"s": times}
 
     def stats(self) -> dict:
-        r, _ = self.client._call("stats", {})
+        r = self.client.shard_stats()
         return {"node_op_s": r.get("node_op_s", {}), "node_served": r.get("node_served"),
                 "peer_fetched": r.get("peer_fetched"), "peer_failed": r.get("peer_failed")}
 

@@ -133,7 +133,7 @@ def _pool(spec, names: list[str], dram_chunks: int, backend: str, ray_address: s
 
         yield LocalPool.create(spec, TenantRegistry(tenants), dram_chunks=dram_chunks)
         return
-    from kvpool.cluster.pool import local_cluster_pool
+    from kvpool.cluster.local import local_cluster_pool
 
     with local_cluster_pool(spec, tenants, dram_chunks, ray_address, index_url=redis) as pool:
         yield pool

@@ -312,19 +312,19 @@ def _worker_main(peer: str, config: dict) -> int:
 # --- services ------------------------------------------------------------------------------------
 
 def _mooncake_sysroot() -> Path:
-    """Where the shared libraries Mooncake links were extracted (kvpool.node.te's rule where it exists)."""
+    """Where the shared libraries Mooncake links were extracted (kvpool.bench.te's rule where it exists)."""
     try:
-        from kvpool.node import te
+        from kvpool.bench import te
     except ImportError:
         return Path(os.environ.get("KVPOOL_MOONCAKE_SYSROOT") or os.path.join(sys.prefix, "mooncake-sysroot"))
     return Path(te.sysroot())
 
 
 def _preload_mooncake() -> None:
-    """kvpool.node.te.preload() (the shared libraries Mooncake's wheel needs) where that module
+    """kvpool.bench.te.preload() (the shared libraries Mooncake's wheel needs) where that module
     exists; otherwise the dynamic loader finds them on LD_LIBRARY_PATH (see :func:`_mooncake_env`)."""
     try:
-        from kvpool.node import te
+        from kvpool.bench import te
     except ImportError:
         return
     te.preload()

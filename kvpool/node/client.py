@@ -8,14 +8,13 @@
   (the shard publishes to the index and charges the quota there). When this node cannot take them,
   the bytes go over the socket and the shard places them on the rest of the pool.
 - **Everything else** (a pool-wide lookup, chunks held on other nodes, leases of a request in
-  flight) is one call on the socket; the shard does it as a client of the pool.
+  flight) is one call on the socket; the shard's service does it (kvpool.cluster.service).
 - **A dead pool is a miss.** A shard, Ray head or Redis that is down or restarting never stops,
   hangs or slows the engine beyond one call's deadline: reads are misses, writes store nothing,
   and a failed connection is retried at most every ``retry_s``. A connector checks at start that
   the shard answers (kvpool.node.probe; ``"degraded": true`` starts without it).
 
-The surface is PoolClient's (``lookup``, ``begin``/``end``, ``put``, ``get``, ``pin``), so
-ClusterPool runs over either. Found through ``kvpool-<pool>-<shard>.node`` in ``$KVPOOL_RUN_DIR``
+:class:`kvpool.node.pool.NodePool` gives LocalPool's surface over it. Found through ``kvpool-<pool>-<shard>.node`` in ``$KVPOOL_RUN_DIR``
 (/dev/shm by default); with several shards of one pool on a machine, name the shard.
 """
 
@@ -34,12 +33,17 @@ from kvpool.checksum import copy_with_checksum
 from kvpool.errors import ChunkTooLarge, KvPoolError, Unavailable
 from kvpool.index.base import MISS, PrefixHit
 from kvpool.keys import ChunkKey, is_shared
+from kvpool.node import messages as m
 from kvpool.node.attach import Attached as _Attached
 from kvpool.node.checks import RAISED, check_put
 from kvpool.node.connection import NodeConnection
 from kvpool.node.staging import STAGE_BYTES
 
 log = logging.getLogger("kvpool.node")
+
+
+def _raw(keys: Sequence[ChunkKey]) -> list[bytes]:
+    return [bytes(k) for k in keys]
 
 
 @dataclass
@@ -60,7 +64,7 @@ class NodeClient(NodeConnection):
 
     @staticmethod
     def addresses(credential: str, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
-        """Where the pool keeps a caller's chunks (kvpool.auth: scopes), as PoolClient computes them."""
+        """Where the pool keeps a caller's chunks (kvpool.auth: scopes), as the shard computes them."""
         return scoped(keys, scope_tag(None if is_shared(keys) else claimed_tenant(credential)))
 
     def _local_run(self, at: _Attached | None, credential: str, keys: Sequence[ChunkKey]) -> int:
@@ -82,8 +86,7 @@ class NodeClient(NodeConnection):
         if local == len(keys):
             return PrefixHit(local, (sid,) * local)
         try:
-            r, _ = self._call("lookup", {"credential": credential, "keys": [bytes(k) for k in keys],
-                                         "shared": is_shared(keys)})
+            r, _ = self.call(m.Lookup(credential, _raw(keys), is_shared(keys)))
         except KvPoolError as e:
             if e.status in RAISED:
                 raise
@@ -98,8 +101,7 @@ class NodeClient(NodeConnection):
         """Leases the leading run of a request's cached chunks on their shards until ``end``. Best
         effort: a shard that does not answer leaves them unleased (a later miss at worst)."""
         try:
-            r, _ = self._call("begin", {"credential": credential, "keys": [bytes(k) for k in keys],
-                                        "priority": priority, "shared": is_shared(keys)})
+            r, _ = self.call(m.Begin(credential, _raw(keys), is_shared(keys), priority))
         except KvPoolError as e:
             if e.status in RAISED:
                 raise
@@ -111,14 +113,13 @@ class NodeClient(NodeConnection):
         if request is None or not request.shard_requests:
             return
         try:
-            self._call("end", {"credential": request.credential, "requests": request.shard_requests})
+            self.call(m.End(request.credential, dict(request.shard_requests)))
         except KvPoolError:
             self.counts["end_failed"] += 1  # the leases expire on their own
         request.shard_requests = {}
 
     def pin(self, credential: str, keys: Sequence[ChunkKey]) -> int:
-        r, _ = self._call("pin", {"credential": credential, "keys": [bytes(k) for k in keys],
-                                  "shared": is_shared(keys)})
+        r, _ = self.call(m.Pin(credential, _raw(keys), is_shared(keys)))
         return int(r)
 
     def report(self, name: str, figures: dict) -> None:
@@ -126,7 +127,7 @@ class NodeClient(NodeConnection):
         this, and must not wait on a slow shard)."""
         def send() -> None:
             try:
-                self._call("report", {"name": name, "figures": figures})
+                self.call(m.Report(name, figures))
             except KvPoolError:
                 pass
 
@@ -149,20 +150,18 @@ class NodeClient(NodeConnection):
         if not raw:
             return 0
         rid = None if request is None or at is None else request.shard_requests.get(at.info["shard"])
-        sizes = [a.nbytes for a in arrays]
-        args = {"credential": credential, "keys": raw, "sizes": sizes, "shared": shared,
-                "first_position": first_position, "request_id": rid}
+        sizes = [int(a.nbytes) for a in arrays]
         try:
             if sum(-(-n // 64) * 64 for n in sizes) <= STAGE_BYTES // 2:  # small: one call (kvpool.node.staging)
-                r, _ = self._call("put_staged", args, prepare=self._staged(arrays))
+                r, _ = self.call(m.PutStaged(credential, raw, shared, first_position, rid, sizes),
+                                 prepare=self._staged(arrays))
             else:
-                r, _ = self._call("reserve", args)
+                r, _ = self.call(m.Reserve(credential, raw, shared, first_position, rid, sizes))
             if isinstance(r, int):
                 self.counts["put_staged"] += 1
                 return r
             if r.get("full"):
-                stored, _ = self._call("put", {"credential": credential, "keys": raw, "shared": shared,
-                                               "first_position": first_position}, arrays)
+                stored, _ = self.call(m.Put(credential, raw, shared, first_position, rid), arrays)
                 self.counts["put_forwarded"] += 1
                 return int(stored)
             buf = self._at.slab.buf if self._at is not None else None
@@ -173,8 +172,7 @@ class NodeClient(NodeConnection):
             for key, offset, nbytes in r["places"]:
                 sums.append(copy_with_checksum(buf[offset : offset + nbytes], by_key[key]))
                 keys_done.append(key)
-            stored, _ = self._call("commit", {"credential": credential, "hold": r["hold"], "keys": keys_done,
-                                              "checksums": sums})
+            stored, _ = self.call(m.Commit(credential, r["hold"], keys_done, sums))
             self.counts["put_shm"] += 1
             return int(stored)
         except KvPoolError as e:
@@ -186,9 +184,17 @@ class NodeClient(NodeConnection):
                             e, self.counts["put_failed"])
             return 0
 
-    # ---------------------------------------------------------------- reads
-    reads_in_place = True  # ClusterPool.load_views reads this node's chunks one at a time
+    def _suspect(self, credential: str, key: ChunkKey) -> None:
+        """A chunk of this node's slab that failed its checksum here: the shard checks it itself
+        and drops it when it is corrupt (else it was a tear, and stays)."""
+        try:
+            if self.call(m.Verify(credential, [bytes(key)], is_shared([key])))[0]:
+                self.counts["corrupt_dropped"] += 1
+        except KvPoolError as e:
+            if e.status in (401, 403):
+                raise
 
+    # ---------------------------------------------------------------- reads
     def get(self, credential: str, keys: Sequence[ChunkKey], hit: PrefixHit | None = None,
             outs: Sequence[object] | None = None, local_only: bool = False) -> list[np.ndarray]:
         """The leading run of chunks, each verified: this node's slab first (no call), the rest
@@ -202,6 +208,8 @@ class NodeClient(NodeConnection):
             for i, a in enumerate(self.addresses(credential, keys)):
                 got = table.read(bytes(a), buf, None if dsts is None else dsts[i])
                 if got is None:
+                    if table.find(bytes(a)) is not None:  # still listed: torn or corrupt, not evicted
+                        self._suspect(credential, keys[i])
                     break
                 out.append(got)
             if out:
@@ -211,11 +219,9 @@ class NodeClient(NodeConnection):
             return out
         try:
             rest = None if dsts is None else dsts[n:]
-            args = {"credential": credential, "keys": [bytes(k) for k in keys[n:]], "shared": is_shared(keys)}
-            if hit is not None and hit.count > n:
-                args["shards"] = list(hit.shards[n : hit.count])  # where the caller's lookup found them
-            r, got = self._call("get", args, outs=rest, prepare=lambda ch, a, d: (self._stage(ch, d), a)[1],
-                                after=self._unstage(rest))
+            shards = list(hit.shards[n: hit.count]) if hit is not None and hit.count > n else None  # the lookup's
+            r, got = self.call(m.Get(credential, _raw(keys[n:]), is_shared(keys), shards), outs=rest,
+                               prepare=lambda ch, msg, d: (self._stage(ch, d), msg)[1], after=self._unstage(rest))
             count = int(r["count"])
             out.extend(got[:count])
             if count:

@@ -8,6 +8,7 @@ chunks, kvpool.node.staging). A shard that does not answer is tried again at mos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool.errors import BadRequest, KvPoolError, Unavailable
+from kvpool.node import messages as m
 from kvpool.node import wire
 from kvpool.node.attach import Attached as _Attached
 from kvpool.node.attach import node_stat as _stat
@@ -63,6 +65,12 @@ class NodeConnection:
             try:
                 with open(path) as f:
                     info = json.load(f)
+                if info.get("wire") != m.WIRE_VERSION:
+                    self.counts["wire_mismatch"] += 1
+                    log.warning("kvpool: the shard of %s speaks kvpool wire version %r and this engine %d: not used "
+                                "(run the same kvpool release in the engines and the shards)", path, info.get("wire"),
+                                m.WIRE_VERSION)
+                    continue
                 sock = self._dial(info["socket"], time.monotonic() + min(self.timeout_s, 0.5))
                 live.append((path, info, sock))
             except (OSError, ValueError, KeyError, KvPoolError):
@@ -123,11 +131,11 @@ class NodeConnection:
         return None
 
     # ---------------------------------------------------------------- calls on the socket
-    def _call(self, op: str, args: dict, payloads: Sequence[np.ndarray] = (),
-              outs: Sequence[np.ndarray | None] | None = None, prepare=None, after=None):
+    def call(self, msg: m.Message, payloads: Sequence[np.ndarray] = (),
+             outs: Sequence[np.ndarray | None] | None = None, prepare=None, after=None):
         """(result, payloads) of one call, within ``timeout_s``. A failure of the shard or the socket
-        raises Unavailable; the shard's typed errors keep their type. ``prepare(channel, args,
-        deadline)`` runs on the channel the call goes out on and returns its arguments;
+        raises Unavailable; the shard's typed errors keep their type. ``prepare(channel, msg,
+        deadline)`` runs on the channel the call goes out on and returns the message to send;
         ``after(channel, result, payloads)`` runs on a good reply before the channel is free again
         and returns the payloads."""
         at = self._attached()
@@ -140,19 +148,21 @@ class NodeConnection:
             if sock is None:
                 sock = self._dial(at.info["socket"], deadline)
             if prepare is not None:
-                args = prepare(sock, args, deadline)
-            ok, result, got = self._exchange(sock, op, args, payloads, outs, deadline)
+                msg = prepare(sock, msg, deadline)
+            ok, result, got = sock.request(msg, payloads, outs, deadline=deadline, timeout_s=self.timeout_s)
             if ok and after is not None:
                 got = after(sock, result, got)
         except (OSError, KvPoolError) as e:
             if sock is not None:
                 _close(sock)
+            if isinstance(e, TimeoutError):  # a slow shard (or one waiting on a slow peer): still this one
+                raise wire.Timeout(f"the node's shard did not answer {msg.OP} within {self.timeout_s:g} s") from None
             if isinstance(e, OSError):
                 self._next_try = time.monotonic() + self.retry_s
                 with self._lock:
                     if self._at is at:
                         self._at = None  # greeted again (and re-mapped) at the next try
-                raise Unavailable(f"the node's shard did not answer {op} ({type(e).__name__})") from None
+                raise Unavailable(f"the node's shard did not answer {msg.OP} ({type(e).__name__})") from None
             raise
         with self._lock:
             self._idle.append(sock)
@@ -160,22 +170,15 @@ class NodeConnection:
             raise wire.decode_error(result)
         return result, got
 
-    def _exchange(self, sock: wire.Channel, op: str, args: dict, payloads, outs, deadline: float):
-        args = dict(args, timeout_s=self.timeout_s)
-        if payloads:
-            args["lens"] = [int(p.nbytes) for p in payloads]
-        sock.send([op, args], payloads, deadline=deadline)
-        reply = sock.recv_header(deadline=deadline)
-        if not (isinstance(reply, list) and len(reply) == 3):
-            raise Unavailable(f"the shard answered {op} with a malformed reply")
-        ok, result, lens = reply
-        return ok, result, sock.recv_payloads(lens or [], outs, deadline=deadline)
+    def shard_stats(self) -> dict:
+        """This node's shard's stats (kvpool.cluster.shard), asked on its socket."""
+        return self.call(m.Stats())[0]
 
     def _stage(self, sock: wire.Channel, deadline: float) -> Stage:
         """The channel's staging file, asked for once per connection."""
         stage = getattr(sock, "stage", None)
         if stage is None:
-            ok, r, _ = self._exchange(sock, "stage", {}, (), None, deadline)
+            ok, r, _ = sock.request(m.Stage(), deadline=deadline, timeout_s=self.timeout_s)
             if not ok:
                 raise wire.decode_error(r)
             stage = sock.stage = Stage.attach(r["path"], r["nbytes"])
@@ -184,12 +187,12 @@ class NodeConnection:
     def _staged(self, arrays: Sequence[np.ndarray]):
         """``prepare`` for ``put_staged``: the channel's staging file filled with ``arrays``;
         their offsets go with the call."""
-        def prepare(sock: wire.Channel, args: dict, deadline: float) -> dict:
+        def prepare(sock: wire.Channel, msg: m.PutStaged, deadline: float) -> m.PutStaged:
             stage = self._stage(sock, deadline)
             offsets = stage.layout(arrays)
             assert offsets is not None, "the caller checked that the chunks fit STAGE_BYTES"
             stage.fill(arrays, offsets)
-            return dict(args, offsets=offsets)
+            return dataclasses.replace(msg, offsets=offsets)
         return prepare
 
     def _unstage(self, dsts: Sequence[np.ndarray] | None):
@@ -220,7 +223,6 @@ class NodeConnection:
         at = self._at
         return bool(at is not None and at.info.get("secured"))
 
-
     def close(self) -> None:
         with self._lock:
             at, self._at = self._at, None
@@ -229,8 +231,6 @@ class NodeConnection:
             _close(s)
         if at is not None:
             at.close()
-
-
 
 
 def _close(sock: wire.Channel) -> None:

@@ -4,8 +4,10 @@ find its node's shard)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+from collections.abc import Iterator
 
 RUN_DIR_ENV = "KVPOOL_RUN_DIR"
 DEFAULT_RUN_DIR = "/dev/shm"
@@ -27,3 +29,18 @@ def node_files(directory: str, pool: str, shard_id: str | None = None) -> list[s
     if shard_id:
         return [node_paths(directory, pool, shard_id)["node"]]
     return sorted(glob.glob(os.path.join(glob.escape(directory), f"kvpool-{glob.escape(pool)}-*.node")))
+
+
+@contextlib.contextmanager
+def own_run_dir(directory: str) -> Iterator[str]:
+    """``$KVPOOL_RUN_DIR`` set to ``directory`` for the block (a pool started in it, a benchmark's
+    or a test's, keeps its node files apart), restored after."""
+    old = os.environ.get(RUN_DIR_ENV)
+    os.environ[RUN_DIR_ENV] = directory
+    try:
+        yield directory
+    finally:
+        if old is None:
+            os.environ.pop(RUN_DIR_ENV, None)
+        else:
+            os.environ[RUN_DIR_ENV] = old

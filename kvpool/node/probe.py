@@ -10,6 +10,7 @@ import os
 import time
 
 from kvpool.errors import BadRequest, KvPoolError
+from kvpool.node import messages as m
 
 log = logging.getLogger("kvpool.node")
 WAIT_LOG_S = 5.0  # how often a start that waits for its pool says so
@@ -26,7 +27,7 @@ def why_down(client) -> str | None:
                 "(the shard writes it when `kvpool up` starts it; set run_dir / $KVPOOL_RUN_DIR to the shard's)")
     client._next_try = 0.0  # look now, not after the client's retry interval
     try:
-        client._call("hello", {})
+        client.call(m.Hello())
         return None
     except BadRequest:
         raise  # several shards answer: the operator must name one

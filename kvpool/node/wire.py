@@ -3,7 +3,9 @@
 One frame: a 4-byte big-endian length, a msgpack header, then the raw payloads the header
 announces (``lens``), sent from and received into numpy buffers without an extra copy.
 
-- request header: ``[op, args]`` (args a dict of msgpack values; keys and addresses as bytes);
+- request header: ``[op, version, fields, timeout_s, lens]``: a typed message of
+  kvpool.node.messages (its operation, wire version and fields), how long the caller waits, and the
+  byte lengths of the payloads that follow;
 - reply header: ``[ok, result, lens]``; when not ok, ``result`` is ``{"type", "fields"}`` of a
   typed error (kvpool.errors), rebuilt as the same class on the other side.
 
@@ -22,9 +24,9 @@ import msgpack
 import numpy as np
 
 from kvpool.errors import BadRequest, KvPoolError, Unavailable
+from kvpool.node import messages
 
-NODE_WIRE = 1  # bump when an op's arguments or results change meaning
-MAX_HEADER = 64 << 20  # a header this large is a bug or an attack
+MAX_HEADER = 1 << 20  # a header this large is a bug or an attack (2048 keys take 40 KiB)
 MAX_PAYLOAD = 1 << 36
 _LEN = struct.Struct(">I")
 
@@ -67,6 +69,18 @@ class Channel:
 
     def send(self, header: object, payloads: Sequence[np.ndarray] = (), *, deadline: float) -> None:
         send(self.sock, header, payloads, deadline=deadline)
+
+    def request(self, msg: messages.Message, payloads: Sequence[np.ndarray] = (),
+                outs: Sequence[np.ndarray | None] | None = None, *, deadline: float, timeout_s: float):
+        """One call: ``msg`` (and its payloads) out, ``(ok, result, payloads)`` back; the reply's
+        payloads land in ``outs[i]`` where given and large enough."""
+        self.send([msg.OP, messages.WIRE_VERSION, msg.encode(), timeout_s, [int(p.nbytes) for p in payloads]],
+                  payloads, deadline=deadline)
+        reply = self.recv_header(deadline=deadline)
+        if not (isinstance(reply, list) and len(reply) == 3):
+            raise Unavailable(f"the shard answered {msg.OP} with a malformed reply")
+        ok, result, lens = reply
+        return ok, result, self.recv_payloads(lens or [], outs if ok else None, deadline=deadline)
 
     def _fill(self, need: int, deadline: float) -> None:
         """At least ``need`` (<= BUFFER) bytes buffered."""
@@ -129,6 +143,25 @@ class Channel:
             self.recv_exact(memoryview(buf).cast("B"), deadline=deadline)
             got.append(buf)
         return got
+
+
+def read_request(header: object, allowed: frozenset[str], max_payload: int):
+    """``(message, timeout_s, lens)`` of a request header, every field checked (a BadRequest
+    names what is wrong); None for a header that is not a kvpool request at all (hang up)."""
+    if not (isinstance(header, list) and len(header) == 5 and isinstance(header[0], str)):
+        return None
+    name, version, fields, timeout_s, lens = header
+    if not isinstance(lens, list) or len(lens) > messages.MAX_KEYS or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= max_payload for n in lens):
+        return None  # payloads no page holds: hang up before reading them
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool):
+        raise BadRequest("a request's timeout_s must be a number of seconds")
+    cls = messages.OPS.get(name) if name in allowed else None
+    if cls is None:
+        raise BadRequest(f"unknown operation {name[:64]!r} here: is the caller's kvpool the shard's release?")
+    if bool(lens) != cls.PAYLOADS:
+        raise BadRequest(f"{name} {'takes' if cls.PAYLOADS else 'takes no'} payloads")
+    return cls.decode(version, fields), min(max(float(timeout_s), 0.01), 120.0), lens
 
 
 # ---------------------------------------------------------------- typed errors across the wire

@@ -1,21 +1,20 @@
-"""ClusterPool: LocalPool's surface (keys, load, save) over a PoolClient, so the same engine-side
-code runs on one process or on a Ray cluster. And ``local_cluster_pool``: a one-node Ray pool
-started in this process (what `kvpool demo` runs on)."""
+"""NodePool: LocalPool's surface (keys, lookup, begin, load, save, end) over this node's shard
+(a NodeClient, kvpool.node.client), so the same engine-side code runs on one process or on a
+pool of many nodes, with no Ray in the engine."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from kvpool.auth import claimed_tenant, is_credential, namespace_salt
-from kvpool.codec import Formats, page_bytes, stored_nbytes
+from kvpool.codec import Formats, page_bytes
 from kvpool.errors import BadRequest, Unauthorized, UnknownTenant
 from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
+from kvpool.node.client import NodeClient
 from kvpool.pool import OwnedChunk
 from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
@@ -24,11 +23,11 @@ from kvpool.tenants import Tenant
 log = logging.getLogger(__name__)
 
 
-class ClusterPool:
+class NodePool:
     """Every ``tenant`` argument is the tenant's credential on a secured pool (kvpool.auth; the
     shards verify it on every call), its id on an open one."""
 
-    def __init__(self, spec: KVSpec, client, tenants: Sequence[Tenant]) -> None:
+    def __init__(self, spec: KVSpec, client: NodeClient, tenants: Sequence[Tenant]) -> None:
         self._formats = Formats(spec, self._salt)
         self.codec = self._formats.codec()
         pages = [info.get("page_bytes", 0) for info in client.shards.values()]
@@ -54,7 +53,7 @@ class ClusterPool:
     @property
     def secured(self) -> bool:
         """Asked of the client each time: an engine may start before its node's shard."""
-        return bool(getattr(self.client, "secured", False))
+        return self.client.secured
 
     def _salt(self, credential: str) -> bytes:
         self._check_tenant(credential)
@@ -105,13 +104,8 @@ class ClusterPool:
 
     def report(self, name: str, figures: dict) -> None:
         """Publishes a connector's measured figures to the controller (fire and forget), where
-        `kvpool stats` shows them: through the node's shard for a NodeClient (no Ray here), as a
-        Ray call for a PoolClient."""
-        report = getattr(self.client, "report", None)
-        if callable(report):
-            report(name, figures)
-        else:
-            self.client.controller.report.remote(name, figures)
+        `kvpool stats` shows them, through the node's shard."""
+        self.client.report(name, figures)
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Pins the leading run of cached chunks (warm-up, an operator's), within each shard's pinned cap."""
@@ -151,7 +145,7 @@ class ClusterPool:
         nodes come in one call, as ``load`` reads them."""
         self._check_tenant(tenant)
         keys = as_keys(keys)
-        if self._sealer(tenant, keys) is None and getattr(self.client, "reads_in_place", False):
+        if self._sealer(tenant, keys) is None:
             return self._node_views(tenant, keys)
         return (OwnedChunk(kv) for kv in self.load(tenant, keys))  # a generator: callers close() it
 
@@ -176,10 +170,10 @@ class ClusterPool:
         after (the vLLM worker): over a node's shard, this node's chunks are views of its slab
         itself, no copy, verified when released (kvpool.node.inplace): a release that raises
         ChunkChanged means what the caller copied from that view is not the chunk (a failed load).
-        Chunks of other nodes, sealed chunks and other clients: :meth:`load_views`."""
+        Chunks of other nodes and sealed chunks: :meth:`load_views`."""
         self._check_tenant(tenant)
         keys = as_keys(keys)
-        if self._sealer(tenant, keys) is None and getattr(self.client, "reads_in_place", False):
+        if self._sealer(tenant, keys) is None:
             return self._in_place_views(tenant, keys)
         return self.load_views(tenant, keys)
 
@@ -212,29 +206,17 @@ class ClusterPool:
                                first_position=start, request=request)
 
     def stats(self) -> dict:
-        """The shards' stats summed into one store-shaped dict. Over a NodeClient, this node's shard
-        only (asked on its socket, no Ray; ``"scope": "node"``), and an empty sum (``"error"`` says
-        why) when it does not answer."""
-        from kvpool.node.client import NodeClient
+        """This node's shard's stats in a store-shaped dict (asked on its socket, no Ray;
+        ``"scope": "node"``), and an empty sum (``"error"`` says why) when it does not answer."""
+        from kvpool.errors import KvPoolError
 
         total = {"tiers": {}, "tenants": {}, "chunks": 0, "policy": None, "policy_stats": {},
-                 "metrics": {"evictions": {}, "checksum_failures": {}}, "shards": 0}
-        if isinstance(self.client, NodeClient):
-            from kvpool.errors import KvPoolError
-
-            total["scope"] = "node"
-            try:
-                per_shard = [self.client._call("stats", {})[0]]
-            except KvPoolError as e:
-                total["error"] = str(e)
-                per_shard = []
-        else:
-            import ray
-
-            from kvpool.cluster.shard import shard_name
-
-            per_shard = [ray.get(ray.get_actor(shard_name(self.client.pool, sid), namespace=self.client.namespace)
-                                 .stats.remote(), timeout=self.client.timeout_s) for sid in self.client.shards]
+                 "metrics": {"evictions": {}, "checksum_failures": {}}, "shards": 0, "scope": "node"}
+        try:
+            per_shard = [self.client.shard_stats()]
+        except KvPoolError as e:
+            total["error"] = str(e)
+            per_shard = []
         total["shards"] = len(per_shard)
         for st in per_shard:
             total["chunks"] += st["chunks"]
@@ -249,41 +231,3 @@ class ClusterPool:
                 for label, v in st["metrics"][m].items():
                     total["metrics"][m][label] = total["metrics"][m].get(label, 0) + v
         return total
-
-
-@contextlib.contextmanager
-def local_cluster_pool(spec: KVSpec, tenants: Sequence[Tenant], dram_chunks: int, address: str | None = None,
-                       index_url: str | None = None, client: str = "node"):
-    """A pool on local Ray (started here, or ``address``) with the embedded index (or Redis at
-    ``index_url``); torn down after. ``client``: ``"node"`` (as engines reach it: through this
-    node's shard, kvpool.node.client) or ``"ray"`` (a PoolClient, a Ray driver)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    from kvpool.cluster.bootstrap import down, shard_id_of, up
-    from kvpool.cluster.client import PoolClient
-    from kvpool.node.client import NodeClient
-
-    ns = "kvpool-demo"
-    if not address:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback only; see kvpool.cluster.ops
-    if address:
-        ray.init(address=address, namespace=ns, logging_level="ERROR", log_to_driver=False)
-    else:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR",
-                 log_to_driver=False)
-    opened = None
-    try:
-        up(store={"page_bytes": stored_nbytes(spec), "dram_pages": dram_chunks,
-                  "storage_format": spec.storage_format},
-           tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
-        if client == "node":
-            opened = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), timeout_s=10.0)
-        else:
-            opened = PoolClient(namespace=ns, timeout_s=10.0, index_url=index_url)
-        yield ClusterPool(spec, opened, tenants)
-    finally:
-        if opened is not None:
-            opened.close()
-        down(namespace=ns)
-        ray.shutdown()
