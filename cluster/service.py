@@ -18,6 +18,7 @@ builds it, keeps its membership and answers the control plane. Reads are here; w
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from kvpool.auth import Principal, scope_tag, scoped
@@ -31,6 +32,7 @@ from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import messages as m
 
 log = logging.getLogger("kvpool.shard")
+PEER_TIMEOUT_S = 5.0  # at most, for a call to another shard
 
 
 def addresses_of(p: Principal, raw, shared: bool) -> list[ChunkKey]:
@@ -47,6 +49,8 @@ class ShardService:
         self.request_ttl_s = request_ttl_s
         self.fenced = False  # set by the actor when the controller dropped this shard
         self.stall_s = 0.0  # a drill: every data-path call answers this late
+        self.observe_get = lambda ms: None  # the shard's metrics (cluster/metrics.py) hook in here
+        self.answer_by = threading.local()  # ``t``: when the caller of this thread's operation gives up
         self.requests: dict[int, tuple[object, float]] = {}  # request id -> (ActiveRequest, deadline)
         self.reserved: dict[int, list[ChunkKey]] = {}  # reservation id -> the addresses its commit publishes
         self.publisher = Publisher(self)
@@ -73,6 +77,11 @@ class ShardService:
         if shared and not p.operator:
             raise Forbidden(f"only an operator writes the shared namespace; {p.tenant!r} presented a {p.role} credential")
         return p, addresses_of(p, raw, shared)
+
+    def peer_deadline(self) -> float:
+        """The deadline of a call to another shard: before this operation's caller gives up (its
+        answer can still reach it: a peer that is slow costs the rest of the run, not the call)."""
+        return min(time.monotonic() + PEER_TIMEOUT_S, getattr(self.answer_by, "t", float("inf")))
 
     def peer(self, pool_credential: str, what: str) -> None:
         """Only the pool's own shards call the peer operations."""
@@ -101,6 +110,7 @@ class ShardService:
     def get(self, msg: m.Get, into=None) -> list:
         """The leading run of the caller's chunks from wherever they are; ``into(lens)`` may give
         the buffers peers' bytes land in (the connection's staging file)."""
+        t0 = time.perf_counter()
         p = self.who(msg.credential)
         where = addresses_of(p, msg.keys, msg.shared)
         recalled = False
@@ -131,6 +141,9 @@ class ShardService:
             i = j
         if recalled and len(out) < len(located):
             self.locations.forget(where[len(out):])  # moved or evicted: asked anew next time
+        if len(out) < len(where):  # the engine read its node's share itself; the rest is a miss
+            self.store.metrics.misses_chunks.inc(len(where) - len(out), p.tenant)
+        self.observe_get((time.perf_counter() - t0) * 1e3)
         return out
 
     def _read_run(self, p: Principal, sid: str, msg: m.Get, where, raw, into) -> list:
@@ -144,9 +157,8 @@ class ShardService:
         address = self.members.peer_address(sid)
         if address is None:
             return []  # not a member (dropped, or this shard has not heard of it yet): a miss
-        deadline = time.monotonic() + 5.0
         return self.links.fetch(address, m.PeerGet(self.links.credential, msg.credential, list(raw), msg.shared),
-                                deadline, into=into)
+                                self.peer_deadline(), into=into)
 
     def peer_get(self, msg: m.PeerGet):
         """Another shard's read of a tenant's chunks held here: (result, payloads, release)."""
@@ -168,6 +180,11 @@ class ShardService:
         self.forget_gone()
         return sum(h and g is None for h, g in zip(held, got))
 
+    def touch(self, msg: m.Touch) -> int:
+        """Same-node hits an engine read from the slab itself (kvpool.node.touches)."""
+        p = self.who(msg.credential)
+        return self.store.touch(addresses_of(p, msg.keys, msg.shared), p.tenant)
+
     # ---------------------------------------------------------------- requests in flight
     def begin(self, msg: m.Begin) -> dict:
         """Leases the caller's cached leading run on every shard that holds some until ``end``, and
@@ -187,7 +204,8 @@ class ShardService:
                     ids[sid] = self._begin_here(p, [where[i] for i in idx], msg.priority)
                 elif (address := self.members.peer_address(sid)) is not None:
                     ids[sid] = int(self.links.call(address, m.PeerBegin(self.links.credential, msg.credential, raw,
-                                                                        msg.shared, msg.priority)))
+                                                                        msg.shared, msg.priority), (),
+                                                   self.peer_deadline()))
             except KvPoolError as e:
                 if e.status in (401, 403, 404):
                     raise
@@ -211,7 +229,8 @@ class ShardService:
                 self.end_here(rid, p.tenant)
             elif (address := self.members.peer_address(sid)) is not None:
                 try:
-                    self.links.call(address, m.PeerEnd(self.links.credential, msg.credential, rid))
+                    self.links.call(address, m.PeerEnd(self.links.credential, msg.credential, rid), (),
+                                    self.peer_deadline())
                 except KvPoolError as e:  # the lease expires on its own
                     log.debug("shard %s: ending request %d on %s failed (%s)", self.shard_id, rid, sid, e)
 
@@ -256,7 +275,8 @@ class ShardService:
                     pinned += self.store.pin([where[i] for i in idx], p.tenant)
                 elif (address := self.members.peer_address(sid)) is not None:
                     pinned += int(self.links.call(address, m.PeerPin(self.links.credential, msg.credential,
-                                                                     [msg.keys[i] for i in idx], msg.shared)))
+                                                                     [msg.keys[i] for i in idx], msg.shared), (),
+                                                  self.peer_deadline()))
             except KvPoolError as e:
                 if e.status in (401, 403):
                     raise

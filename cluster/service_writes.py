@@ -8,14 +8,10 @@ caller's path (cluster/publisher.py): bytes before index, the quota charged as i
 
 from __future__ import annotations
 
-import time
-
 from kvpool.checksum import copy_with_checksum
 from kvpool.errors import BadRequest, KvPoolError, PoolFull, ReservationGone, Unavailable
 from kvpool.node import messages as m
 from kvpool.node.staging import STAGE_BYTES, Stage
-
-SPILL_TIMEOUT_S = 5.0
 
 
 class Writes:
@@ -113,7 +109,7 @@ class Writes:
             return self._store(p, where, msg, payloads)
         peer = m.PeerPut(s.links.credential, msg.credential, msg.keys, msg.shared, msg.first_position)
         try:
-            return int(s.links.call(address, peer, payloads, deadline=time.monotonic() + SPILL_TIMEOUT_S))
+            return int(s.links.call(address, peer, payloads, deadline=s.peer_deadline()))
         except KvPoolError as e:
             if e.status in (401, 403, 429):
                 raise

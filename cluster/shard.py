@@ -91,6 +91,7 @@ class ShardActor(Drills):
         from kvpool.cluster.metrics import RayExporter
 
         self.exporter = RayExporter(self.store.metrics, shard_id)
+        self.service.observe_get = lambda ms: self.exporter.observe_get(ms, "node")
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="kvpool-heartbeat")
         self._beat.start()

@@ -1,5 +1,6 @@
 """Every attack of docs/security.md, tried as an attacker would, on a secured pool: in process
-(``LocalPool`` with a pool secret) and on a real 2-node Ray cluster started with one. Each test
+(``LocalPool`` with a pool secret) and on a real 2-node pool started with one (engines' side:
+``NodePool``, through each node's socket). Each test
 asserts the attacker gets nothing (0 chunks read, evicted, poisoned or re-quota'd) and, as the
 control, that the victim still gets everything.
 
@@ -41,35 +42,29 @@ def kv(n: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def cluster_pool():
-    from kvpool.cluster.bootstrap import down, up
-    from kvpool.cluster.client import PoolClient
-    from kvpool.cluster.local import local_cluster
-    from kvpool.cluster.pool import ClusterPool
+def cluster(tmp_path_factory):
+    from conftest import cluster_pool
 
-    with local_cluster(2, namespace="kvpool-attacks"):
-        up(store={"page_bytes": SPEC.chunk_nbytes + SEAL_OVERHEAD, "dram_pages": PAGES},
-           tenants=[{"id": t.id} for t in TENANTS], ttl_s=2.0, secret=SECRET)
-        client = PoolClient(timeout_s=5.0)
-        yield ClusterPool(SPEC, client, TENANTS)
-        client.close()
-        down(secret=SECRET)
+    with cluster_pool(str(tmp_path_factory.mktemp("run")), 2, "kvpool-attacks",
+                      store={"page_bytes": SPEC.chunk_nbytes + SEAL_OVERHEAD, "dram_pages": PAGES},
+                      tenants=[{"id": t.id} for t in TENANTS], ttl_s=2.0, secret=SECRET) as cp:
+        yield cp
+
+
+@pytest.fixture(scope="module")
+def node_pool(cluster):
+    from kvpool.node.pool import NodePool
+
+    client = cluster.client(timeout_s=5.0)
+    yield NodePool(SPEC, client, TENANTS)
+    client.close()
 
 
 @pytest.fixture(params=["local", "cluster"])
 def pool(request):
     if request.param == "local":
         return LocalPool.create(SPEC, TenantRegistry(list(TENANTS)), PAGES, authority=AUTH)
-    return request.getfixturevalue("cluster_pool")
-
-
-def shards(pool):
-    import ray
-
-    from kvpool.cluster.shard import shard_name
-
-    c = pool.client
-    return [ray.get_actor(shard_name(c.pool, sid), namespace=c.namespace) for sid in c.shards]
+    return request.getfixturevalue("node_pool")
 
 
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -159,113 +154,125 @@ def test_a_tenant_cannot_pin_or_evict_another_tenants_chunks_in_process():
     assert pool.lookup(ALICE, keys) == 3 * SPEC.chunk_tokens
 
 
-# ---------------------------------------------------------------------- 2: the cluster's own methods
-def test_shard_methods_called_directly_need_the_callers_credential(cluster_pool):
-    """From another process on the Ray cluster, straight to the shard actors: reads, removes and
-    leases under a bare name are refused; with mallory's credential they touch only her scope."""
-    import ray
+# ---------------------------------------------------------------------- 2: the shards' own operations
+def engine_ops(who: str, raw: list[bytes]) -> list:
+    from kvpool.node import messages as m
 
-    from kvpool.cluster.messages import Get, LeaseReads, Put, Write
+    return [m.Lookup(who, raw), m.Get(who, raw), m.Begin(who, raw), m.Pin(who, raw), m.Verify(who, raw),
+            m.Reserve(who, raw[:1], sizes=[SPEC.chunk_nbytes]), m.End(who, {"x": 1}), m.Commit(who, 1, raw[:1], [0]),
+            m.Abort(who, 1)]
 
-    keys = cluster_pool.keys(ALICE, prompt(4))
-    assert cluster_pool.save(ALICE, keys, kv(4, seed=8)) == 4
+
+def test_every_operation_on_a_nodes_socket_needs_the_callers_credential(cluster, node_pool):
+    """Straight to each node's socket, as any process of the node could: every operation under a
+    bare name or a forged credential is refused; with mallory's own credential it reads, leases,
+    pins and drops nothing of alice's."""
+    from kvpool.node import messages as m
+
+    keys = node_pool.keys(ALICE, prompt(4))
+    assert node_pool.save(ALICE, keys, kv(4, seed=8)) == 4
     raw = [bytes(k) for k in keys]
-    read = 0
-    for shard in shards(cluster_pool):
-        for who in ("alice", Authority(new_secret()).issue("alice")):
-            for call in (shard.get.remote(Get(raw, who)), shard.lease_reads.remote(LeaseReads(raw, who, False)),
-                         shard.remove.remote(raw, who), shard.begin.remote(raw, who),
-                         shard.put.remote(Put(Write(raw[:1], who), [np.zeros(SPEC.chunk_nbytes, np.uint8)]))):
+    for which in range(2):
+        c = cluster.client(which, timeout_s=5.0)
+        try:
+            for who in ("alice", Authority(new_secret()).issue("alice")):
+                for msg in engine_ops(who, raw):
+                    with pytest.raises(Unauthorized):
+                        c.call(msg)
                 with pytest.raises(Unauthorized):
-                    ray.get(call, timeout=10)
-        read += len(ray.get(shard.get.remote(Get(raw, MALLORY)), timeout=10).arrays)
-        leased = ray.get(shard.lease_reads.remote(LeaseReads(raw, MALLORY, False)), timeout=10)
-        read += sum(p is not None for p in leased.places)
-        ray.get(shard.release.remote(leased.hold_id, [], MALLORY), timeout=10)
-        assert ray.get(shard.remove.remote(raw, MALLORY), timeout=10) == 0
-    assert read == 0
-    assert cluster_pool.lookup(ALICE, keys) == 4 * SPEC.chunk_tokens
-    assert equal(cluster_pool.load(ALICE, keys), kv(4, seed=8))
+                    c.call(m.Put(who, raw[:1]), [np.zeros(SPEC.chunk_nbytes, np.uint8)])
+            assert c.call(m.Lookup(MALLORY, raw))[0]["count"] == 0
+            assert c.call(m.Get(MALLORY, raw))[0]["count"] == 0
+            assert c.call(m.Verify(MALLORY, raw))[0] == 0
+            assert c.call(m.Begin(MALLORY, raw))[0]["count"] == 0
+        finally:
+            c.close()
+    assert node_pool.lookup(ALICE, keys) == 4 * SPEC.chunk_tokens
+    assert equal(node_pool.load(ALICE, keys), kv(4, seed=8))
 
 
-def test_another_tenants_holds_and_requests_cannot_be_committed_released_or_ended(cluster_pool):
+def test_another_tenants_holds_and_requests_cannot_be_committed_aborted_or_ended(cluster, node_pool):
     import ray
 
-    from kvpool.cluster.messages import Commit, LeaseReads
+    from kvpool.node import messages as m
 
-    keys = cluster_pool.keys(ALICE, prompt(2))
-    assert cluster_pool.save(ALICE, keys, kv(2, seed=9)) == 2
+    keys = node_pool.keys(ALICE, prompt(2))
+    assert node_pool.save(ALICE, keys, kv(2, seed=9)) == 2
     raw = [bytes(k) for k in keys]
-    for shard in shards(cluster_pool):
-        leased = ray.get(shard.lease_reads.remote(LeaseReads(raw, ALICE, False)), timeout=10)
-        rid = ray.get(shard.begin.remote(raw, ALICE), timeout=10)
-        # mallory names alice's lease as corrupt, and tries to end alice's request
-        ray.get(shard.release.remote(leased.hold_id, raw, MALLORY), timeout=10)
-        assert ray.get(shard.end.remote(rid, MALLORY), timeout=10) is False
-        with pytest.raises(TypeError):  # no credential, no call
-            ray.get(shard.end.remote(rid), timeout=10)
-        with pytest.raises(KvPoolError, match="no reservation"):
-            ray.get(shard.commit.remote(Commit(leased.hold_id, raw, [0, 0], MALLORY)), timeout=10)
-        assert ray.get(shard.end.remote(rid, ALICE), timeout=10) is True
-        ray.get(shard.release.remote(leased.hold_id, [], ALICE), timeout=10)
-    assert equal(cluster_pool.load(ALICE, keys), kv(2, seed=9))  # nothing dropped
+    c = node_pool.client
+    fresh = [bytes(k) for k in node_pool.keys(ALICE, prompt(1))]
+    hold = c.call(m.Reserve(ALICE, fresh, sizes=[SPEC.chunk_nbytes]))[0]["hold"]
+    req = c.call(m.Begin(ALICE, raw))[0]["requests"]
+    active = lambda: ray.get(cluster.actor(0).stats.remote(), timeout=10)["active_requests"]  # noqa: E731
+    assert active() >= 1
+    c.call(m.End(MALLORY, req))  # mallory ends alice's request: nothing ends
+    assert active() >= 1
+    with pytest.raises(KvPoolError, match="no reservation"):
+        c.call(m.Commit(MALLORY, hold, fresh, [0]))
+    c.call(m.Abort(MALLORY, hold))  # silently nothing
+    assert c.call(m.Verify(MALLORY, raw))[0] == 0  # her "corrupt" report reaches her own scope only
+    c.call(m.End(ALICE, req))
+    c.call(m.Abort(ALICE, hold))
+    assert equal(node_pool.load(ALICE, keys), kv(2, seed=9))  # nothing dropped
 
 
-def test_listing_events_quotas_and_drills_need_an_operator(cluster_pool):
+def test_listing_events_quotas_and_drills_need_an_operator(cluster, node_pool):
     import ray
 
     from kvpool.cluster.index_actor import ActorIndex
 
-    keys = cluster_pool.keys(ALICE, prompt(2))
-    assert cluster_pool.save(ALICE, keys, kv(2, seed=10)) == 2
+    keys = node_pool.keys(ALICE, prompt(2))
+    assert node_pool.save(ALICE, keys, kv(2, seed=10)) == 2
     for who, err in (("", Unauthorized), ("alice", Unauthorized), (MALLORY, Forbidden)):
-        idx = ActorIndex(credential=who, namespace=cluster_pool.client.namespace)
+        idx = ActorIndex(credential=who, namespace=cluster.namespace)
         for call in (idx.events, idx.tenants, lambda i=idx: i.set_quota("alice", 0),
-                     lambda i=idx: i.shard_keys(next(iter(cluster_pool.client.shards))),
+                     lambda i=idx: i.shard_keys(cluster.head),
                      lambda i=idx: i.register_shard("fake", "", 60.0)):
             with pytest.raises(err):
                 call()
-        for shard in shards(cluster_pool):
+        for sid in cluster.shards:
+            shard = cluster.actor(sid)
             for call in (shard.held.remote(who), shard.inject.remote(5.0, who), shard.drain.remote(who)):
                 with pytest.raises(err):
                     ray.get(call, timeout=10)
-    op = ActorIndex(credential=AUTH.pool_credential(), namespace=cluster_pool.client.namespace)
+    op = ActorIndex(credential=AUTH.pool_credential(), namespace=cluster.namespace)
     assert {t.id for t in op.tenants()} >= {"alice", "mallory"}  # the operator's control
     assert "fake" not in op.shards()
-    assert equal(cluster_pool.load(ALICE, keys), kv(2, seed=10))  # quota untouched, shard not drained
+    assert equal(node_pool.load(ALICE, keys), kv(2, seed=10))  # quota untouched, shard not drained
 
 
-def test_a_shard_is_registered_only_by_the_pools_own_processes(cluster_pool):
+def test_a_shard_is_registered_only_by_the_pools_own_processes(cluster, node_pool):
     import ray
 
-    from kvpool.cluster.client import PoolClient
-    from kvpool.cluster.controller import CONTROLLER
-
-    controller = ray.get_actor(CONTROLLER, namespace=cluster_pool.client.namespace)
+    controller = cluster.controller()
     before = ray.get(controller.state.remote(), timeout=10)
-    fake = {"node_id": "f" * 56, "slab": None, "page_bytes": 1, "dram_pages": 1}
+    fake = {"node_id": "f" * 56, "slab": None, "page_bytes": 1, "dram_pages": 1, "peer": "127.0.0.1:1"}
     for who, err in (("", Unauthorized), (MALLORY, Forbidden), (OPERATOR, Forbidden)):
         with pytest.raises(err):
-            ray.get(controller.register.remote("fake", fake, 1.0, who), timeout=10)
+            ray.get(controller.register.remote("fake", fake, who), timeout=10)
         if who != OPERATOR:  # an operator may take a shard out; a tenant or nobody may not
             with pytest.raises(err):
-                ray.get(controller.deregister.remote(next(iter(before["shards"])), who), timeout=10)
+                ray.get(controller.deregister.remote(cluster.head, who), timeout=10)
     after = ray.get(controller.state.remote(), timeout=10)
     assert after["shards"] == before["shards"] and after["version"] == before["version"]
-    client = PoolClient(timeout_s=5.0, refresh=False)  # a new client still starts
-    assert set(client.shards) == set(before["shards"])
-    client.close()
+    keys = node_pool.keys(ALICE, prompt(1))
+    assert node_pool.save(ALICE, keys, kv(1, seed=16)) == 1  # the pool still serves
+    assert equal(node_pool.load(ALICE, keys), kv(1, seed=16))
 
 
-def test_the_scopes_are_what_the_index_lists(cluster_pool):
+def test_the_scopes_are_what_the_index_lists(cluster, node_pool):
     """The index lists addresses in the writer's scope, not the keys a prompt derives: a listing
     leaked to another tenant gives nothing its own keys could read."""
-    keys = cluster_pool.keys(ALICE, prompt(2))
-    assert cluster_pool.save(ALICE, keys, kv(2, seed=11)) == 2
-    index = cluster_pool.client.index
+    from conftest import wait_for
+
+    from kvpool.cluster.index_actor import ActorIndex
+
+    keys = node_pool.keys(ALICE, prompt(2))
+    assert node_pool.save(ALICE, keys, kv(2, seed=11)) == 2
+    index = ActorIndex(credential=AUTH.pool_credential(), namespace=cluster.namespace)
+    wait_for(lambda: index.lookup(scoped(keys, scope_tag("alice"))).count == 2, 10, what="alice's chunks listed")
     assert index.lookup(keys).count == 0
-    assert index.lookup(scoped(keys, scope_tag("alice"))).count == 2
-    assert cluster_pool.client.lookup(MALLORY, keys).count == 0
+    assert node_pool.client.lookup(MALLORY, keys).count == 0
 
 
 # ---------------------------------------------------------------------- 7: the slab, sealed
@@ -275,10 +282,13 @@ def slab_bytes(pool) -> bytes:
     if isinstance(pool, LocalPool):
         slab = pool.store.slab("dram")
         return b"".join(slab.page(i).tobytes() for i in range(slab.num_pages))
+    import glob
+    import json
+
     out = b""
-    for info in pool.client.shards.values():
-        with open(info["slab"], "rb") as f:
-            out += f.read()
+    for path in glob.glob(f"{pool.client.directory}/kvpool-default-*.node"):  # every shard's
+        with open(path) as f, open(json.load(f)["slab"], "rb") as slab:
+            out += slab.read()
     return out
 
 

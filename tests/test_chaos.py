@@ -1,5 +1,5 @@
-"""The chaos suite, short (issue 16): a 3-node pool on a Redis of its own, 2 verifying client
-processes, and three faults one at a time (a shard's worker SIGKILLed, the controller restarted,
+"""The chaos suite, short: a 3-node pool on a Redis of its own, 2 verifying client
+processes (engines' NodeClients, on two nodes), and three faults one at a time (a shard's worker SIGKILLed, the controller restarted,
 Redis SIGSTOPped for 3 s), each followed by a quiet period. The long one is `kvpool bench chaos`.
 Prints a FIGURES line (docs/reliability.md)."""
 
@@ -26,7 +26,7 @@ def result():
     r = chaos.run(FAULTS, seconds_per_fault=8.0, clients=2, progress=False)
     print(chaos.format_table(r))
     print("FIGURES", json.dumps({"test": "chaos", "rows": {
-        k: {f: v[f] for f in ("ops", "wrong_bytes", "untyped", "typed", "over_deadline", "max_call_s", "recovery_s", "ring_left", "typed_example")}
+        k: {f: v[f] for f in ("ops", "wrong_bytes", "untyped", "typed", "over_deadline", "max_call_s", "recovery_s", "members_left", "typed_example")}
         for k, v in r["rows"].items()}}, sort_keys=True))
     return r
 
@@ -49,23 +49,22 @@ def test_every_reader_reads_its_whole_prompt_again_within_the_bound(result):
         (rec,) = result["rows"][name]["recovery_s"]
         assert rec is not None and rec <= RECOVERY_BOUND_S, (name, rec)
         (occ,) = result["rows"][name]["occurrences"]
-        shards, nodes = occ["notes"]["ring_after"].split("/")
+        shards, nodes = occ["notes"]["members_after"].split("/")
         assert shards == nodes, (name, occ["notes"])  # a shard on every alive node again
 
 
-def test_only_the_killed_shard_leaves_the_ring(result):
-    # A live shard dropped from the ring (its heartbeat lapsed while Redis was stopped, say) is a
-    # flap: its chunks turn into misses and puts move elsewhere until the controller adopts it again.
-    # (Once the controller dropped every shard whose heartbeat key expired while Redis was stopped:
-    # now a shard is dropped only after a grace period counted while the index answers.)
-    left = {name: result["rows"][name]["occurrences"][0]["notes"]["ring_left"] for name in FAULTS}
+def test_only_the_killed_shard_leaves_the_pool(result):
+    # A live shard dropped from the pool (its heartbeat lapsed while Redis was stopped, say) is a
+    # flap: its chunks turn into misses until the controller adopts it again. A shard is dropped
+    # only after a grace period counted while the index answers.
+    left = {name: result["rows"][name]["occurrences"][0]["notes"]["members_left"] for name in FAULTS}
     shard = result["rows"]["shard-kill"]["occurrences"][0]["notes"]["shard"]
     assert left == {"shard-kill": [shard], "controller-restart": [], "redis-stop": []}, left
 
 
 def test_no_client_is_told_its_valid_input_is_bad(result):
     # The clients send only valid calls within their quota: a fault may turn into misses, a 503
-    # or a 507, never a 4xx. (An empty ring once made puts raise a 400; it is a 503 now.)
+    # or a 507, never a 4xx.
     bad = {k: {s: n for s, n in v["typed"].items() if s.startswith("4") and s != "429"}
            for k, v in result["rows"].items()}
     assert bad == {k: {} for k in result["rows"]}, {k: v["typed_example"] for k, v in result["rows"].items()}

@@ -15,18 +15,13 @@ import pytest
 from conftest import free_port, redis_reachable, wait_for
 
 MISSES = """
-import os, ray
-from kvpool.cluster.ops import connect, NAMESPACE
-from kvpool.cluster.shard import shard_name
-from kvpool.cluster.messages import Get
-from kvpool.cluster.controller import CONTROLLER
+import os
 from kvpool.auth import Authority
-connect(None, start_local=False)
-state = ray.get(ray.get_actor(CONTROLLER, namespace=NAMESPACE).state.remote(), timeout=30)
+from kvpool.node.client import NodeClient
+from kvpool.node.messages import Get
+client = NodeClient(timeout_s=30)
 credential = Authority.from_env().issue("a")
-for sid in state["shards"]:
-    shard = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
-    assert ray.get(shard.get.remote(Get([os.urandom(16) for _ in range(20)], credential)), timeout=30).arrays == []
+assert client.call(Get(credential, [os.urandom(16) for _ in range(20)]))[0]["count"] == 0
 """
 
 

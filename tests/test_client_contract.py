@@ -162,8 +162,9 @@ def test_one_deadline_per_call_whatever_the_shards_behind_it_do(cluster, client)
     finally:
         stall(cluster, 0)
     assert max(times.values()) <= TIMEOUT + SLACK, times
-    assert got["put"] == 0 and len(got["get"]) == 8 and got["lookup"].count == 0  # this node's half: no call
-    assert client.counts["put_failed"] >= 1 and client.counts["get_failed"] >= 1
+    # its own shard stalled: the engine stops using it for retry_s (its half is a miss), never waits again
+    assert got["put"] == 0 and got["get"] == [] and got["lookup"].count == 0
+    assert client.counts["put_failed"] >= 1
 
 
 def test_a_pool_that_is_gone_is_a_miss_and_a_failed_write(tmp_path):

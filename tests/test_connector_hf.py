@@ -121,11 +121,11 @@ def test_a_forward_that_ignores_the_cache_fails_loudly(model, conn):
         conn.prefill(ids)
 
 
-def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
+def test_on_a_cluster_pool_a_dead_shard_means_recompute_with_the_same_logits(model, tmp_path, monkeypatch):
     import ray
 
     from kvpool.cluster.bootstrap import up
-    from kvpool.cluster.pool import local_cluster_pool
+    from kvpool.cluster.local import local_cluster_pool
     from kvpool.cluster.shard import shard_name
     from kvpool.connectors.hf_model import model_spec
     from kvpool.tenants import Tenant
@@ -133,7 +133,8 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
     spec = model_spec(model, model_id="test/tiny-llama", chunk_tokens=CHUNK)
     ids = prompt(4 * CHUNK + 2, seed=9)
     full = model(input_ids=ids).logits[0, -1]
-    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=64, client="ray") as pool:  # a Ray driver
+    monkeypatch.setenv("KVPOOL_RUN_DIR", str(tmp_path))  # before ray.init: the shard inherits it
+    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=64) as pool:
         conn = HFConnector(model, pool, tenant="a")
         assert conn.prefill(ids).saved_chunks == 4
         warm = conn.prefill(ids)
@@ -141,11 +142,18 @@ def test_on_a_ray_pool_a_dead_shard_means_recompute_with_the_same_logits(model):
         (sid,) = pool.client.shards
         ray.kill(ray.get_actor(shard_name("default", sid), namespace="kvpool-demo"))
         t0 = time.monotonic()
-        dead = conn.prefill(ids)  # the index still lists the chunks; the load misses
-        assert dead.loaded_tokens == 0 and close(dead.logits[0, -1], full)
-        assert time.monotonic() - t0 < 30  # no hang: the client's timeout turned it into a miss
-        # the controller drops the dead shard...
+        dead = conn.prefill(ids)  # the mapped memory, each chunk verified, until the engine notices
+        assert close(dead.logits[0, -1], full)
+        # the engine lets go of the dead shard's memory...
         wait_for(lambda: not pool.client.shards, 30, interval_s=0.2, what="the client to drop the dead shard")
+        gone = conn.prefill(ids)
+        assert gone.loaded_tokens == 0 and close(gone.logits[0, -1], full)
+        assert time.monotonic() - t0 < 30  # no hang: misses, recomputed
+        from kvpool.cluster.controller import CONTROLLER
+
+        controller = ray.get_actor(CONTROLLER, namespace="kvpool-demo")
+        wait_for(lambda: sid not in ray.get(controller.state.remote(), timeout=10)["shards"], 30, interval_s=0.2,
+                 what="the controller to drop the dead shard")
         up(store={"page_bytes": spec.chunk_nbytes, "dram_pages": 64}, tenants=[{"id": "a"}], namespace="kvpool-demo")
         # ...and a new one joins (the restart)
         wait_for(lambda: pool.client.shards, 30, interval_s=0.2, what="a new shard to join")

@@ -10,8 +10,8 @@ import pickle
 
 import pytest
 
-import kvpool.node.messages  # noqa: F401 - registers WireMismatch
 import kvpool.connectors.families  # noqa: F401 - registers UnsupportedModel
+import kvpool.node.messages  # noqa: F401 - registers WireMismatch
 from kvpool.errors import KvPoolError
 
 SAMPLE = {"tenant": "t", "usage": 1, "limit": 2, "requested": 3, "request_id": 4, "priority": 5, "message": "m",

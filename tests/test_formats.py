@@ -224,8 +224,10 @@ def test_a_local_pool_sized_for_quantized_chunks_refuses_raw_ones_with_the_fix(m
 
 
 class DictClient:
-    """The slice of a pool client ClusterPool uses, over a dict: the cluster pool's codec path
-    without Ray."""
+    """The slice of a NodeClient that NodePool uses, over a dict: the cluster pool's codec path
+    without a shard."""
+
+    secured = False
 
     def __init__(self, page_bytes):
         self.shards = {"s0": {"page_bytes": page_bytes}}
@@ -247,17 +249,17 @@ class DictClient:
 
 
 def test_the_cluster_pool_stores_quantized_chunks_and_checks_its_pages(caplog):
-    from kvpool.cluster.pool import ClusterPool
+    from kvpool.node.pool import NodePool
 
     spec = spec_for("test/m", 2, 2, 64, torch.float32, chunk_tokens=CHUNK, storage_format="int4-kivi")
     codec = ChunkCodec(spec)
     with pytest.raises(LayoutMismatch, match=f"page size >= {codec.nbytes}"):
-        ClusterPool(spec, DictClient(codec.nbytes - 1), [Tenant("a")])
-    with caplog.at_level("WARNING", logger="kvpool.cluster.pool"):
-        ClusterPool(spec, DictClient(spec.chunk_nbytes), [Tenant("a")])  # raw-sized pages: it says so
+        NodePool(spec, DictClient(codec.nbytes - 1), [Tenant("a")])
+    with caplog.at_level("WARNING", logger="kvpool.node.pool"):
+        NodePool(spec, DictClient(spec.chunk_nbytes), [Tenant("a")])  # raw-sized pages: it says so
     assert f"--page-size {codec.nbytes}" in caplog.text
     client = DictClient(codec.nbytes)
-    pool = ClusterPool(spec, client, [Tenant("a")])
+    pool = NodePool(spec, client, [Tenant("a")])
     keys = pool.keys("a", list(range(2 * CHUNK)))
     chunks = [kv_like(spec, seed=i) for i in range(2)]
     assert pool.save("a", keys, chunks) == 2
@@ -270,15 +272,15 @@ def test_the_cluster_pool_stores_quantized_chunks_and_checks_its_pages(caplog):
 
 
 def test_the_cluster_pool_keys_and_stores_a_tenants_own_format():
-    from kvpool.cluster.pool import ClusterPool
+    from kvpool.node.pool import NodePool
 
     spec = spec_for("test/m", 2, 2, 64, torch.float32, chunk_tokens=CHUNK)  # raw
     tenants = [Tenant("a"), Tenant("b", storage_format="int8")]
     int8 = ChunkCodec(KVSpec(**{**spec.to_dict(), "storage_format": "int8"}))
     with pytest.raises(LayoutMismatch):
-        ClusterPool(spec, DictClient(int8.nbytes), tenants)  # pages for b's chunks, too small for a's
+        NodePool(spec, DictClient(int8.nbytes), tenants)  # pages for b's chunks, too small for a's
     client = DictClient(spec.chunk_nbytes)
-    pool = ClusterPool(spec, client, tenants)
+    pool = NodePool(spec, client, tenants)
     tokens = list(range(CHUNK))
     assert pool.namespace("b").spec_fingerprint == int8.spec.fingerprint()
     assert pool.keys("a", tokens) != pool.keys("b", tokens)

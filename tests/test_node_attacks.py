@@ -11,15 +11,13 @@ import os
 import stat
 
 import pytest
-import ray
-from conftest import make_keys, payload, wait_for
+from conftest import cluster_pool, make_keys, payload
 
 from kvpool.auth import Authority, new_secret
-from kvpool.cluster.bootstrap import shard_id_of, up
-from kvpool.cluster.local import local_cluster
-from kvpool.cluster.peers import PeerLinks
+from kvpool.cluster.peers import StreamTransport
 from kvpool.errors import Forbidden, Unauthorized
-from kvpool.node.client import NodeClient
+from kvpool.node import messages as m
+from kvpool.node import wire
 
 NS = "kvpool-node-attacks"
 PAGE = 16 << 10
@@ -31,23 +29,11 @@ FORGED = Authority(new_secret()).issue("alice")  # alice's name, another secret'
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("run"))
-    old = os.environ.get("KVPOOL_RUN_DIR")
-    os.environ["KVPOOL_RUN_DIR"] = run
-    try:
-        with local_cluster(1, namespace=NS):
-            up(store={"page_bytes": PAGE, "dram_pages": 32}, tenants=[{"id": "alice"}, {"id": "bob"}],
-               namespace=NS, ttl_s=2.0, secret=SECRET)
-            sid = shard_id_of(ray.get_runtime_context().get_node_id())
-            wait_for(lambda: os.path.exists(os.path.join(run, f"kvpool-default-{sid}.node")), 30, what="node file")
-            c = NodeClient(directory=run, shard=sid)
-            yield {"run": run, "sid": sid, "client": c}
-            c.close()
-    finally:
-        if old is None:
-            os.environ.pop("KVPOOL_RUN_DIR", None)
-        else:
-            os.environ["KVPOOL_RUN_DIR"] = old
+    with cluster_pool(str(tmp_path_factory.mktemp("run")), 1, NS, store={"page_bytes": PAGE, "dram_pages": 32},
+                      tenants=[{"id": "alice"}, {"id": "bob"}], ttl_s=2.0, secret=SECRET) as cp:
+        c = cp.client()
+        yield {"run": cp.run, "sid": cp.head, "client": c}
+        c.close()
 
 
 def test_the_node_files_are_the_pool_users_alone(pool):
@@ -77,7 +63,7 @@ def test_another_tenants_credential_reads_nothing(pool):
     keys = make_keys(3, seed=2)
     assert c.put(ALICE, keys, [payload(i, PAGE) for i in range(3)]) == 3
     assert c.get(BOB, keys) == [] and c.lookup(BOB, keys).count == 0
-    assert c._call("get", {"credential": BOB, "keys": [bytes(k) for k in keys]})[0]["count"] == 0
+    assert c.call(m.Get(BOB, [bytes(k) for k in keys]))[0]["count"] == 0
 
 
 def test_the_peer_port_serves_only_the_pools_own_processes(pool):
@@ -87,15 +73,22 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
     peer = c._at.info["peer"]
     import time
 
+    def get(links, credential):
+        return links.fetch(peer, m.PeerGet(links.credential, credential, [bytes(keys[0])]), time.monotonic() + 5)
+
     for who, err in ((ALICE, Forbidden), (FORGED, Unauthorized), ("", Unauthorized)):
-        links = PeerLinks(who)  # a tenant, a forger, nobody: posing as a shard
+        links = StreamTransport(who)  # a tenant, a forger, nobody: posing as a shard
         with pytest.raises(err):
-            links.fetch(peer, ALICE, [bytes(keys[0])], False, time.monotonic() + 5)
+            get(links, ALICE)
+        for msg in (m.PeerPut(who, ALICE, [bytes(keys[0])]), m.PeerBegin(who, ALICE, [bytes(keys[0])]),
+                    m.PeerEnd(who, ALICE, 1), m.PeerPin(who, ALICE, [bytes(keys[0])])):
+            with pytest.raises(err):
+                links.call(peer, msg, [payload(1, PAGE)] if msg.PAYLOADS else ())
         links.close()
-    links = PeerLinks(AUTH.pool_credential())
+    links = StreamTransport(AUTH.pool_credential())
     try:
-        assert links.fetch(peer, BOB, [bytes(keys[0])], False, time.monotonic() + 5) == []  # bob's scope: nothing
-        got = links.fetch(peer, ALICE, [bytes(keys[0])], False, time.monotonic() + 5)
+        assert get(links, BOB) == []  # bob's scope: nothing
+        got = get(links, ALICE)
         assert [bytes(a) for a in got] == [bytes(payload(0, PAGE))]
     finally:
         links.close()
@@ -103,8 +96,15 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
 
 def test_only_kvpool_engine_operations_answer_on_the_socket(pool):
     c = pool["client"]
-    for op, args in (("drain", {"credential": ALICE}), ("__init__", {}), ("_spill", {"pages": 1})):
-        with pytest.raises(Exception) as e:
-            c._call(op, args)
-        assert getattr(e.value, "status", None) == 400, (op, e.value)
+    import time
+
+    at = c._attached()
+    ch = c._dial(at.info["socket"], time.monotonic() + 5)
+    key = bytes(make_keys(1, seed=3)[0])
+    for op, fields in (("drain", [ALICE]), ("__init__", []), ("_spill", [1]), ("peer_get", [ALICE, ALICE, [key]]),
+                       ("get", [ALICE, [b"short"]]), ("get", [ALICE, [key], "yes"]), ("end", [ALICE, {"x": -1}])):
+        ch.send([op, m.WIRE_VERSION, fields, 5.0, []], deadline=time.monotonic() + 5)
+        ok, err, _ = ch.recv_header(deadline=time.monotonic() + 5)
+        assert not ok and wire.decode_error(err).status == 400, (op, err)  # peer_* only on the peer port
+    ch.close()
     assert c.get(ALICE, make_keys(1, seed=3))  # still serving

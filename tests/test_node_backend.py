@@ -1,10 +1,11 @@
-"""The connectors' ``backend: "node"`` (kvpool.connectors.pools): a ClusterPool over a NodeClient,
+"""The connectors' ``backend: "node"`` (kvpool.connectors.pools): a NodePool over a NodeClient,
 on a one-node Ray pool started here. The engine side never imports Ray; a pool that is down is a
 fast miss (reads) and stores nothing (writes), never an exception or a hang, and the same client
 finds the pool again once it is back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from conftest import wait_for
 
 from kvpool.connectors.pools import check_config, open_pool, spec_for
 from kvpool.errors import BadRequest
+from kvpool.node.paths import own_run_dir
 
 POOL = "nodebackend"
 NS = "kvpool-node-backend"
@@ -40,17 +42,17 @@ def config(run_dir: str, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_pool(tmp_path_factory):
-    """(the run dir, a function that brings the pool up, a ClusterPool opened before the pool ran)."""
+    """(the run dir, a function that brings the pool up, a NodePool opened before the pool ran)."""
     run_dir = str(tmp_path_factory.mktemp("run"))
     early = open_pool(SPEC, config(run_dir, degraded=True))  # an engine that starts before its pool
-    old = os.environ.get("KVPOOL_RUN_DIR")
     for k in ("KVPOOL_SECRET", "KVPOOL_SECRET_FILE"):  # an open pool: tenants by id
         os.environ.pop(k, None)
-    os.environ["KVPOOL_RUN_DIR"] = run_dir  # before ray.init: the shard's process inherits it
     import ray
 
     from kvpool.cluster.bootstrap import down, up
 
+    stack = contextlib.ExitStack()
+    stack.enter_context(own_run_dir(run_dir))  # before ray.init: the shard's process inherits it
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NS, logging_level="ERROR",
              log_to_driver=False)
 
@@ -67,10 +69,7 @@ def ray_pool(tmp_path_factory):
             down(pool=POOL, namespace=NS)
         finally:
             ray.shutdown()
-            if old is None:
-                os.environ.pop("KVPOOL_RUN_DIR", None)
-            else:
-                os.environ["KVPOOL_RUN_DIR"] = old
+            stack.close()
 
 
 def test_config_takes_node_settings():

@@ -128,11 +128,11 @@ def test_a_withdraw_or_a_stale_table_during_the_read_is_a_failure(node, tmp_path
 
 
 def test_a_node_pools_in_place_views_match_load_and_a_changed_page_fails(tmp_path, monkeypatch):
-    """ClusterPool over this node's shard (a real one-node Ray pool): the in-place views are the
+    """NodePool over this node's shard (a real one-node Ray pool): the in-place views are the
     slab's pages, with ``load``'s values; bytes changed while a view is in use fail its release."""
     import torch
 
-    from kvpool.cluster.pool import local_cluster_pool
+    from kvpool.cluster.local import local_cluster_pool
     from kvpool.connectors.pools import spec_for
     from kvpool.tenants import Tenant
 
@@ -142,7 +142,7 @@ def test_a_node_pools_in_place_views_match_load_and_a_changed_page_fails(tmp_pat
     spec = spec_for("inplace-model", 2, 2, 32, "float32", chunk_tokens=16)
     g = torch.Generator().manual_seed(5)
     data = [torch.randn(spec.chunk_shape, generator=g) for _ in range(3)]
-    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=16, client="node") as pool:
+    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=16) as pool:
         keys = pool.keys("a", list(range(3 * spec.chunk_tokens)))
         assert pool.save("a", keys, data) == 3
         slab = pool.client._attached().slab.buf

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import IN_CI, wait_for
 
-from kvpool.errors import BadRequest, Unavailable
 from kvpool.bench import te
+from kvpool.errors import BadRequest, Unavailable
 
 KiB, MiB = 1 << 10, 1 << 20
 PEER_BYTES = 48 * MiB

@@ -164,18 +164,18 @@ def test_a_cluster_pool_takes_credentials_from_the_config(tmp_path):
     auth = Authority(new_secret())  # the cluster's; the engine never holds it
     creds = tmp_path / "credentials.json"
     creds.write_text(json.dumps({"acme": auth.issue("acme")}))
-    cfg = {"backend": "ray", "tenants": ["acme", "globex"], "tenant": "acme", "credentials_file": str(creds)}
+    cfg = {"backend": "node", "tenants": ["acme", "globex"], "tenant": "acme", "credentials_file": str(creds)}
     with pytest.raises(BadRequest, match=r"tenants \['globex'\] have no credential"):
         Tenancy(cfg)
     t = Tenancy({**cfg, "tenants": ["acme", {"id": "globex", "credential": auth.issue("globex")}]})
     assert t.secured and t.default.pool_as == auth.issue("acme")
     assert t.route(request_secret(auth.issue("globex"))).tenant == "globex"
     # $KVPOOL_CREDENTIAL gives the tenant it names its credential
-    t = Tenancy({"backend": "ray", "tenants": ["acme"]}, env={"KVPOOL_CREDENTIAL": auth.issue("acme")})
+    t = Tenancy({"backend": "node", "tenants": ["acme"]}, env={"KVPOOL_CREDENTIAL": auth.issue("acme")})
     assert t.default == Route("acme", auth.issue("acme"))
-    assert not Tenancy({"backend": "ray", "tenants": ["acme"]}, env={}).secured
+    assert not Tenancy({"backend": "node", "tenants": ["acme"]}, env={}).secured
     with pytest.raises(BadRequest, match="secret_file secures a local pool"):
-        check_config({"backend": "ray", "secret_file": "/x"})
+        check_config({"backend": "node", "secret_file": "/x"})
 
 
 def test_the_environment_secures_a_local_pool_and_every_opener_shares_its_secret(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ class Context:
 
 def shard_kill(ctx: Context, local: bool = False) -> None:
     """SIGKILL a shard's worker process (on a worker node; ``local``: the head's, which the
-    clients reach through its shared-memory slab); heal: ``up`` starts it again, under the same
+    one the first client reaches through shared memory); heal: ``up`` starts it again, under the same
     id, once the controller dropped it."""
     from kvpool.cluster.bootstrap import shard_id_of
     from kvpool.cluster.shard import shard_name
@@ -134,7 +134,7 @@ def shard_kill(ctx: Context, local: bool = False) -> None:
     ctx.notes.update(shard=sid, pid=pid)
     ctx.notes["dropped_s"] = round(wait_until(lambda: sid not in ctx.shards(), 60, f"the controller to drop {sid}"), 2)
     ctx.up()
-    ctx.wait_shards(n, "the restarted shard to join the ring")
+    ctx.wait_shards(n, "the restarted shard to join the pool")
 
 
 def node_kill(ctx: Context) -> None:
@@ -149,7 +149,7 @@ def node_kill(ctx: Context) -> None:
     ctx.notes["dropped_s"] = round(wait_until(lambda: sid not in ctx.shards(), 60, f"the controller to drop {sid}"), 2)
     ctx.workers.append(ctx.cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1"))
     ctx.up()
-    ctx.wait_shards(n, "the new node's shard to join the ring")
+    ctx.wait_shards(n, "the new node's shard to join the pool")
 
 
 def redis_stop(ctx: Context, stopped_s: float = 3.0) -> None:
@@ -187,19 +187,19 @@ def fill(ctx: Context) -> None:
     ctx.notes.update(ctx.flood(max(ctx.seconds / 2, 2.0)))
 
 
-def ring_change(ctx: Context) -> None:
-    """A node joins (``up`` gives it a shard: the ring grows mid-call), then leaves again."""
+def members_change(ctx: Context) -> None:
+    """A node joins (``up`` gives it a shard: the membership grows mid-call), then leaves again."""
     n = len(ctx.shards())
     node = ctx.cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     ctx.up()
-    ctx.wait_shards(n + 1, "the added node's shard to join the ring")
+    ctx.wait_shards(n + 1, "the added node's shard to join the pool")
     time.sleep(max(ctx.seconds / 3, 1.0))
     ctx.cluster.remove_node(node)
-    ctx.wait_shards(n, "the removed node's shard to leave the ring")
+    ctx.wait_shards(n, "the removed node's shard to leave the pool")
 
 
 FAULTS: dict[str, Callable[[Context], None]] = {
     "shard-kill": shard_kill, "local-shard-kill": partial(shard_kill, local=True), "node-kill": node_kill,
     "redis-stop": redis_stop, "redis-restart": redis_restart,
-    "controller-restart": controller_restart, "fill": fill, "ring-change": ring_change,
+    "controller-restart": controller_restart, "fill": fill, "members-change": members_change,
 }

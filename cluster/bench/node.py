@@ -143,38 +143,32 @@ def _pool(run_dir: str, index_url: str, page_bytes: int, dram_pages: int, progre
     """The 2-node cluster with the pool up; yields (head shard id, other shard id, free_pages(sid))."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    old = os.environ.get("KVPOOL_RUN_DIR")
-    os.environ["KVPOOL_RUN_DIR"] = run_dir  # the shards inherit it
-    try:
-        import ray
+    import ray
 
-        from kvpool.cluster.bootstrap import shard_id_of, up
-        from kvpool.cluster.local import local_cluster
-        from kvpool.cluster.shard import shard_name
+    from kvpool.cluster.bootstrap import shard_id_of, up
+    from kvpool.cluster.local import local_cluster
+    from kvpool.cluster.shard import shard_name
+    from kvpool.node.paths import own_run_dir
 
-        with local_cluster(2, namespace=NS, object_store_memory=256 << 20, logging_level="WARNING") as (_, nodes):
-            up(index_url=index_url, store={"page_bytes": page_bytes, "dram_pages": dram_pages},
-               tenants=[{"id": TENANT}], namespace=NS)
-            head = shard_id_of(ray.get_runtime_context().get_node_id())
-            other = shard_id_of(nodes[0].node_id)
-            files = [os.path.join(run_dir, f"kvpool-default-{s}.node") for s in (head, other)]
-            deadline = time.monotonic() + 60
-            while not all(os.path.exists(f) for f in files):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the shards' node files did not appear in {run_dir}")
-                time.sleep(0.1)
-            _say(progress, f"pool up: head shard {head}, other shard {other}")
+    with own_run_dir(run_dir), local_cluster(2, namespace=NS, object_store_memory=256 << 20,
+                                             logging_level="WARNING") as (_, nodes):  # the shards inherit it
+        up(index_url=index_url, store={"page_bytes": page_bytes, "dram_pages": dram_pages},
+           tenants=[{"id": TENANT}], namespace=NS)
+        head = shard_id_of(ray.get_runtime_context().get_node_id())
+        other = shard_id_of(nodes[0].node_id)
+        files = [os.path.join(run_dir, f"kvpool-default-{s}.node") for s in (head, other)]
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f) for f in files):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the shards' node files did not appear in {run_dir}")
+            time.sleep(0.1)
+        _say(progress, f"pool up: head shard {head}, other shard {other}")
 
-            def free_pages(sid: str) -> int:
-                return int(ray.get(ray.get_actor(shard_name("default", sid), namespace=NS).free_pages.remote(),
-                                   timeout=30))
+        def free_pages(sid: str) -> int:
+            return int(ray.get(ray.get_actor(shard_name("default", sid), namespace=NS).free_pages.remote(),
+                               timeout=30))
 
-            yield head, other, free_pages
-    finally:
-        if old is None:
-            os.environ.pop("KVPOOL_RUN_DIR", None)
-        else:
-            os.environ["KVPOOL_RUN_DIR"] = old
+        yield head, other, free_pages
 
 
 def _summary(name: str, seconds: list[float], size: int) -> dict:

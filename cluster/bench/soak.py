@@ -1,4 +1,5 @@
-"""Load and soak: concurrent clients (each a process: a Ray actor) on a local multi-node pool,
+"""Load and soak: concurrent clients (each a process, a Ray actor only as a place to run, with the
+engines' own client: a NodeClient of its node's shard) on a local multi-node pool,
 doing a realistic mix for a bounded time. Records throughput, p50/p99 latency by operation,
 errors by kind, wrong bytes (every chunk read is checked against the bytes its key implies) and
 the memory (RSS) of every process at start, after warm-up and at the end.
@@ -43,13 +44,15 @@ def truth(key: bytes, nbytes: int) -> np.ndarray:
 
 @ray.remote(num_cpus=0)
 class SoakClient:
-    def __init__(self, index: int, tenants: list[str], chunk_bytes: int, timeout_s: float, namespace: str) -> None:
-        from kvpool.cluster.client import PoolClient
+    def __init__(self, index: int, tenants: list[str], chunk_bytes: int, timeout_s: float, run: str) -> None:
+        from kvpool.cluster.bootstrap import shard_id_of
+        from kvpool.node.client import NodeClient
 
         self.i = index
         self.tenants = tenants
         self.nb = chunk_bytes
-        self.c = PoolClient(timeout_s=timeout_s, namespace=namespace)
+        self.c = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), directory=run,
+                            timeout_s=timeout_s)
         self.rng = np.random.default_rng(index)
         self.convs: list[tuple[str, np.ndarray]] = []  # (tenant, tokens so far)
 
@@ -110,22 +113,27 @@ class SoakClient:
 
 def run(seconds: float = 20.0, clients: int = 4, nodes: int = 2, chunk_kib: int = 64, dram_pages: int = 512,
         timeout_s: float = 5.0, progress: bool = True) -> dict:
+    import shutil
+    import tempfile
+
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from kvpool.cluster.bootstrap import down, up
     from kvpool.cluster.local import local_cluster
     from kvpool.cluster.shard import shard_name
+    from kvpool.node.paths import own_run_dir
     from kvpool.progress import Progress
 
     nb = chunk_kib << 10
     tenants = ["a", "b", "c"]
     ns = "kvpool-soak"
-    with local_cluster(nodes, namespace=ns, logging_level="ERROR") as (c, workers):
+    run_dir = tempfile.mkdtemp(prefix="kvpool-soak-run-")  # its own node files
+    with own_run_dir(run_dir), local_cluster(nodes, namespace=ns, logging_level="ERROR") as (c, workers):
         state = up(store={"page_bytes": nb, "dram_pages": dram_pages}, tenants=[{"id": t} for t in tenants],
                    namespace=ns)
         node_ids = [ray.get_runtime_context().get_node_id()] + [w.node_id for w in workers]
         procs = [SoakClient.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[i % nodes], soft=False))
-                 .remote(i, tenants, nb, timeout_s, ns) for i in range(clients)]
+                 .remote(i, tenants, nb, timeout_s, run_dir) for i in range(clients)]
         shards = {sid: ray.get_actor(shard_name("default", sid), namespace=ns) for sid in state["shards"]}
 
         def rss_all() -> dict[str, int]:
@@ -149,6 +157,7 @@ def run(seconds: float = 20.0, clients: int = 4, nodes: int = 2, chunk_kib: int 
         rss_end = rss_all()
         ray.get([p.close.remote() for p in procs], timeout=60)
         down(namespace=ns)
+    shutil.rmtree(run_dir, ignore_errors=True)
     lat = {k: [x for r in results for x in r["latency_ms"][k]] for k in ("lookup", "get", "put")}
     errors: dict[str, int] = {}
     for r in results:

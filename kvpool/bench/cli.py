@@ -53,19 +53,10 @@ def _bench_peers(args: argparse.Namespace) -> int:
 
 
 def _bench_datapath(args: argparse.Namespace) -> int:
-    if args.rdt or args.aggregate or args.ray_client:  # the issue 5 benchmark: a Ray client of the pool
-        from kvpool.cluster.bench import datapath
+    if args.rdt:
+        from kvpool.cluster.bench import rdt
 
-        if args.rdt:
-            result = datapath.probe_rdt()
-            emit(result)
-            return 0
-        if args.aggregate:
-            rows = datapath.run_aggregate(max_nodes=args.nodes, progress=not args.json)
-            _show(args, rows, datapath.format_aggregate)
-            return 0
-        result = datapath.run(nodes=args.nodes, progress=not args.json)
-        _show(args, result, datapath.format_table)
+        emit(rdt.probe_rdt())
         return 0
     from kvpool.cluster.bench import node as bench_node
 
@@ -240,8 +231,8 @@ def add_bench_parser(sub) -> None:
     bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     bi.add_argument("--json", action="store_true")
     bi.set_defaults(func=_bench_index)
-    bd = bsub.add_parser("datapath", help="the node data path (engines without Ray) vs Mooncake Store, Redis and "
-                         "memcpy in the same run; --ray-client: the Ray client's path vs copy and raw Ray")
+    bd = bsub.add_parser("datapath", help="the data path as engines use it (their node's shard, without Ray) vs "
+                         "Mooncake Store, Redis and memcpy in the same run")
     bd.add_argument("--rounds", type=int, default=3, help="the output gives the range over rounds")
     bd.add_argument("--ops256", type=int, default=200, help="operations per round on 256 KiB chunks (default 200)")
     bd.add_argument("--ops32", type=int, default=8, help="operations per round on the large chunks (default 8)")
@@ -251,10 +242,6 @@ def add_bench_parser(sub) -> None:
                     help="also Mooncake Store and Redis, round for round (default: when mooncake is installed)")
     bd.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the Redis peer (else a redis-server of "
                     "its own); the pool's index is always a redis-server of the run's own")
-    bd.add_argument("--ray-client", action="store_true", help="the issue 5 benchmark: a Ray client of the pool, "
-                    "32 MiB chunks vs a copy and raw Ray")
-    bd.add_argument("--nodes", type=int, default=2, help="--ray-client: nodes (with --aggregate: grow from 1 to this many)")
-    bd.add_argument("--aggregate", action="store_true", help="one Ray client per node at once, 1..N nodes")
     bd.add_argument("--rdt", action="store_true", help="probe Ray's direct tensor transport against the object store")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=_bench_datapath)

@@ -67,7 +67,22 @@ class NodeClient(NodeConnection):
         """Where the pool keeps a caller's chunks (kvpool.auth: scopes), as the shard computes them."""
         return scoped(keys, scope_tag(None if is_shared(keys) else claimed_tenant(credential)))
 
+    def vouched(self, at: _Attached | None, credential: str) -> _Attached | None:
+        """``at`` when the shard has verified ``credential`` (once per shard incarnation, one call),
+        so this node's table serves only callers the shard would serve; None when it does not
+        answer now (a miss). A refused credential raises, as the shard's refusal of any call."""
+        if at is None or (credential, at.info.get("incarnation")) in self._vouched:
+            return at
+        try:
+            self.call(m.Lookup(credential, []))  # vouched for when it answers (kvpool.node.connection)
+        except KvPoolError as e:
+            if e.status in RAISED:
+                raise
+            return None
+        return at
+
     def _local_run(self, at: _Attached | None, credential: str, keys: Sequence[ChunkKey]) -> int:
+        at = self.vouched(at, credential)
         if at is None:
             return 0
         n = 0
@@ -200,7 +215,7 @@ class NodeClient(NodeConnection):
         """The leading run of chunks, each verified: this node's slab first (no call), the rest
         through the shard (not with ``local_only``). Never raises on a failure of the pool: the run
         just ends there."""
-        at = self._attached()
+        at = self.vouched(self._attached(), credential)
         out: list[np.ndarray] = []
         dsts = None if outs is None else [as_byte_array(o, writable=True) for o in outs]
         if at is not None:
@@ -214,6 +229,7 @@ class NodeClient(NodeConnection):
                 out.append(got)
             if out:
                 self.counts["get_shm"] += 1
+                self.touches.add(credential, _raw(keys[: len(out)]), is_shared(keys))
         n = len(out)
         if n == len(keys) or local_only or (hit is not None and hit.count <= n):
             return out

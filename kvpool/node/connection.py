@@ -27,6 +27,7 @@ from kvpool.node.attach import Attached as _Attached
 from kvpool.node.attach import node_stat as _stat
 from kvpool.node.paths import node_files, run_dir
 from kvpool.node.staging import Stage
+from kvpool.node.touches import Touches
 
 log = logging.getLogger("kvpool.node")
 SHARD_ENV = "KVPOOL_SHARD"
@@ -42,6 +43,8 @@ class NodeConnection:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.counts: Counter[str] = Counter()
+        self._vouched: set[tuple[str, str]] = set()  # (credential, shard incarnation) the shard accepted
+        self.touches = Touches(self)  # same-node hits, told to the shard in the background
         self._lock = threading.Lock()
         self._idle: list[wire.Channel] = []
         self._at: _Attached | None = None
@@ -155,8 +158,6 @@ class NodeConnection:
         except (OSError, KvPoolError) as e:
             if sock is not None:
                 _close(sock)
-            if isinstance(e, TimeoutError):  # a slow shard (or one waiting on a slow peer): still this one
-                raise wire.Timeout(f"the node's shard did not answer {msg.OP} within {self.timeout_s:g} s") from None
             if isinstance(e, OSError):
                 self._next_try = time.monotonic() + self.retry_s
                 with self._lock:
@@ -168,6 +169,11 @@ class NodeConnection:
             self._idle.append(sock)
         if not ok:
             raise wire.decode_error(result)
+        credential = getattr(msg, "credential", None)
+        if credential is not None:  # every operation that takes one verifies it first (cluster/service.py)
+            if len(self._vouched) >= 4096:
+                self._vouched.clear()
+            self._vouched.add((credential, at.info.get("incarnation")))
         return result, got
 
     def shard_stats(self) -> dict:
@@ -224,6 +230,7 @@ class NodeConnection:
         return bool(at is not None and at.info.get("secured"))
 
     def close(self) -> None:
+        self.touches.close()
         with self._lock:
             at, self._at = self._at, None
             idle, self._idle = self._idle, []

@@ -33,6 +33,7 @@ import numpy as np
 
 from kvpool.checksum import checksum
 from kvpool.errors import Unavailable
+from kvpool.keys import is_shared
 from kvpool.node.table import PageTable
 from kvpool.node.table_file import Entry
 
@@ -114,8 +115,12 @@ def views(table: PageTable, slab_buf: np.ndarray, addresses: Sequence[bytes],
 
 def local_views(client, credential: str, keys, decode: Callable[[np.ndarray], object]) -> Iterator[InPlaceChunk]:
     """:func:`views` of a NodeClient's chunks on its node (none while it maps no shard)."""
-    at = client._attached()
+    at = client.vouched(client._attached(), credential)
     if at is None or at.table.stale:
         return
     client.counts["get_inplace"] += 1
-    yield from views(at.table, at.slab.buf, [bytes(a) for a in client.addresses(credential, keys)], decode)
+    shared = is_shared(keys)
+    for i, view in enumerate(views(at.table, at.slab.buf, [bytes(a) for a in client.addresses(credential, keys)],
+                                   decode)):
+        client.touches.add(credential, [bytes(keys[i])], shared)  # a same-node hit, for the shard's policy
+        yield view

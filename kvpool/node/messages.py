@@ -202,6 +202,16 @@ class Verify(Message):
     shared: bool = False
 
 
+@op("touch", **_READ)
+class Touch(Message):
+    """Chunks the caller read from this node's slab itself: counted as hits and told to the
+    eviction policy, as reads through the shard are -> how many it holds."""
+
+    credential: str
+    keys: list
+    shared: bool = False
+
+
 @op("report", name=_text, figures=_figures)
 class Report(Message):
     """An engine's measured figures, for `kvpool stats` -> None."""

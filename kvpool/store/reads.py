@@ -112,6 +112,19 @@ class ReadsMixin:
         with self._lock:
             return [self._visible(index.get(k), t_idx) is not None for k in keys]
 
+    def touch(self, keys: Sequence[ChunkKey], tenant: str) -> int:
+        """Hits the caller read itself (an engine, from the node's slab): counted and told to the
+        eviction policy as any read here; how many of ``keys`` it holds."""
+        t_idx = self.tenants.index(tenant)
+        keys = as_keys(keys)
+        with self._lock:
+            nodes = [n for n in (self._visible(self._cache.index.get(k), t_idx) for k in keys) if n is not None]
+            self._touch(nodes)
+            if nodes:
+                self.metrics.hits_chunks.inc(len(nodes), tenant)
+                self.metrics.get_bytes.inc(int(sum(self._nbytes[n] for n in nodes)), tenant)
+        return len(nodes)
+
     def new_access(self, num_blocks: int, full_blocks: int, hit_blocks: int = 0) -> Access:
         """A request as the policy sees it, with an id from the store's one counter.
 
