@@ -14,6 +14,7 @@ import ray  # noqa: E402
 from kvpool.cluster.bootstrap import down, up  # noqa: E402
 from kvpool.cluster.controller import CONTROLLER  # noqa: E402
 from kvpool.cluster.shard import shard_name  # noqa: E402
+from kvpool.errors import Unavailable  # noqa: E402
 from kvpool.health import figures_from_stats  # noqa: E402
 from kvpool.procs import processes_naming  # noqa: E402
 
@@ -265,6 +266,23 @@ def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None
         if stop_ray:  # even when the pool could not be reached: only the Ray `kvpool up` started
             stop_started_ray()
     return n
+
+
+def on_a_pool_node(address: str | None, fn, *args, timeout_s: float = 1800.0, **kwargs):
+    """``fn(*args, shard=..., **kwargs)`` as a Ray task on a node of the pool (the head's, else
+    another member's), where it reaches that node's shard as an engine there would: the way a
+    Job off the pool's nodes (the chart's warm-up) acts through a shard."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    connect(address, start_local=False)
+    shards = ray.get(ray.get_actor(CONTROLLER, namespace=NAMESPACE).state.remote(), timeout=30)["shards"]
+    if not shards:
+        raise Unavailable("the pool has no shard: run `kvpool up` first")
+    head = ray.get_runtime_context().get_node_id()
+    sid, info = min(shards.items(), key=lambda kv: kv[1].get("node_id") != head)
+    task = ray.remote(num_cpus=0)(fn).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(info["node_id"], soft=False))
+    return ray.get(task.remote(*args, shard=sid, **kwargs), timeout=timeout_s)
 
 
 def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:

@@ -64,10 +64,37 @@ def warmup(conn, entries: list[dict], *, pin: bool = True, progress: bool = True
 
 
 def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_tokens: int = 64,
-        pool: str = "default", shard: str | None = None, run_dir: str | None = None, pin: bool = True,
-        progress: bool = True) -> dict:
-    """Warm-up of a running pool (``kvpool up``) from FILE, through this node's shard (found in
-    ``run_dir`` as an engine finds it, kvpool.node.connection)."""
+        pool: str = "default", shard: str | None = None, run_dir: str | None = None, ray_address: str | None = None,
+        pin: bool = True, progress: bool = True) -> dict:
+    """Warm-up of a running pool (``kvpool up``) from FILE, through a node's shard as an engine
+    reaches it: this node's (found in ``run_dir``), or, with ``ray_address`` (a Job off the pool's
+    nodes), a pool node's, where it runs as a Ray task (kvpool.cluster.ops.on_a_pool_node)."""
+    entries = load_entries(path)
+    if ray_address is None:
+        return warm_here(entries, model, model_id, chunk_tokens, pool, shard, run_dir, pin, progress)
+    from kvpool.cluster import ops
+
+    return ops.on_a_pool_node(ray_address, warm_here, with_credentials(entries, required=False), model, model_id,
+                              chunk_tokens, pool, pin=pin, progress=False)
+
+
+def with_credentials(entries: list[dict], required: bool = True) -> list[dict]:
+    """The entries with an operator credential of each one's tenant (warm-up acts in each tenant's
+    account), issued from the pool secret; unchanged when there is none and it is not ``required``."""
+    from kvpool.auth_cli import find_secret
+
+    try:
+        auth = Authority(find_secret()[0])
+    except BadRequest:  # it names where the secret goes
+        if required:
+            raise
+        return entries
+    return [{**e, "credential": auth.issue(e["tenant"], "operator")} for e in entries]
+
+
+def warm_here(entries: list[dict], model: str, model_id: str | None, chunk_tokens: int, pool: str = "default",
+              shard: str | None = None, run_dir: str | None = None, pin: bool = True, progress: bool = True) -> dict:
+    """:func:`warmup` through the shard of the node this process runs on."""
     import torch
 
     from kvpool.connectors.hf import HFConnector
@@ -77,7 +104,6 @@ def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_to
     from kvpool.node.probe import wait_until_up
     from kvpool.tenants import Tenant
 
-    entries = load_entries(path)
     torch.set_flush_denormal(True)
     m = load_model(model)
     spec = model_spec(m, model_id=model_id or ("kvpool/demo-llama" if model == "demo" else model),
@@ -88,11 +114,8 @@ def run(path: str, model: str = "demo", *, model_id: str | None = None, chunk_to
         if why is not None:
             raise Unavailable(f"warm-up needs the pool's shard on this node: {why}")
         node_pool = NodePool(spec, client, [Tenant(t) for t in sorted({e["tenant"] for e in entries})])
-        if node_pool.secured:  # warm-up is an operator's: it acts in each tenant's account with the pool secret
-            from kvpool.auth_cli import find_secret
-
-            auth = Authority(find_secret()[0])  # a BadRequest naming where the secret goes when there is none
-            entries = [{**e, "credential": auth.issue(e["tenant"], "operator")} for e in entries]
+        if node_pool.secured and not all("credential" in e for e in entries):
+            entries = with_credentials(entries)
         return warmup(HFConnector(m, node_pool), entries, pin=pin, progress=progress)
     finally:
         client.close()

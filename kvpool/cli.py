@@ -151,7 +151,8 @@ def _warmup(args: argparse.Namespace) -> int:
     from kvpool.connectors import warmup
 
     r = warmup.run(args.file, args.model, model_id=args.model_id, chunk_tokens=args.chunk_tokens, pool=args.pool,
-                   shard=args.shard, run_dir=args.run_dir, pin=not args.no_pin, progress=not args.json)
+                   shard=args.shard, run_dir=args.run_dir, ray_address=args.ray_address, pin=not args.no_pin,
+                   progress=not args.json)
     emit(r, indent=None) if args.json else print(
           f"warm-up: {r['prefixes']} prefixes, {r['stored_chunks']} chunks stored, {r['pinned_chunks']} pinned"
           + (f", {r['skipped']} shorter than a chunk" if r["skipped"] else ""))
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--shard", help="this node's shard, where one machine runs several (default: $KVPOOL_SHARD)")
     w.add_argument("--run-dir", help="where this node's shard keeps its node files (default: $KVPOOL_RUN_DIR, "
                    "else /dev/shm)")
+    w.add_argument("--ray-address", help="run on a pool node of this Ray cluster, as a Ray task (from a machine "
+                   "with no shard, e.g. the chart's Job), instead of through this node's shard")
     w.add_argument("--no-pin", action="store_true", help="store the prefixes without pinning them")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_warmup)

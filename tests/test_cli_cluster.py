@@ -90,6 +90,14 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         st = json.loads(kvpool("stats", "--json").stdout)
         (shard,) = st["shards"].values()
         assert shard["chunks"] == 4 and shard["policy_stats"]["pinned"] == 3
+        # From a machine with no shard (the chart's Job): as a Ray task on a pool node.
+        warm2 = tmp_path / "prefixes2.jsonl"
+        warm2.write_text(json.dumps({"tenant": "a", "tokens": list(range(900, 1040))}))
+        r = kvpool("warmup", str(warm2), "--model", "demo", "--json", "--no-pin", "--ray-address",
+                   json.loads(record.read_text())["address"], env={**os.environ, "KVPOOL_RUN_DIR": str(tmp_path)})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert json.loads(r.stdout) == {"prefixes": 1, "skipped": 0, "stored_chunks": 2, "pinned_chunks": 0}
+        assert json.loads(kvpool("stats", "--json").stdout)["shards"].popitem()[1]["chunks"] == 6
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"tenant": "a", "tokens": [1, -2]}')
         r = kvpool("warmup", str(bad))

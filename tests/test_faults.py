@@ -291,11 +291,12 @@ def test_a_node_killed_mid_traffic_means_misses_then_a_converged_index(cluster, 
     # writers' traffic meanwhile: evicted, as any old chunk).
     n = client.lookup("a", keys).count
     assert n <= first
-    # Recompute and save: the lost chunks go to this node (or where it spills them).
-    stored = client.put("a", keys[n:], [truth(j) for j in range(n, 80)], first_position=n)
+    # Recompute and save the prompt: the lost chunks go to this node (or where it spills them), and
+    # the whole prompt hits again (a batch never evicts itself).
+    stored = client.put("a", keys, [truth(j) for j in range(80)])
     assert stored >= 80 - first
     got = client.get("a", keys)
-    assert len(got) > n and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
+    assert len(got) == 80 and all(np.array_equal(g, truth(j)) for j, g in enumerate(got))
     converge = wait_for(lambda: converged(cluster, index), 30, interval_s=0.2, ignore=SETTLING,
                         what="the index to converge")
     report("node killed mid-traffic", ops=tr.ops, wrong_bytes=tr.wrong, max_call_s=round(tr.max_s, 2),

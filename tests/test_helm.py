@@ -904,30 +904,24 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
 
     notes = render_notes(tmp_path)
     head = f"rel-kvpool-head.{NAMESPACE}.svc.cluster.local"
-    redis_host = f"rel-kvpool-redis.{NAMESPACE}.svc.cluster.local"
-    assert f"ray://{head}:10001" in notes
+    assert f"ray://{head}:10001" in notes  # for kvpool commands; engines never use it
     assert f"http://rel-kvpool-dashboard.{NAMESPACE}.svc.cluster.local:8265" in notes
     assert f"kubectl -n {NAMESPACE} port-forward svc/rel-kvpool-dashboard 8265" in notes
     assert f"kubectl -n {NAMESPACE} logs -f job/rel-kvpool-up-r1" in notes
-    assert "get secret rel-kvpool-redis -o jsonpath='{.data.engine-password}'" in notes
-    assert "export RAY_AUTH_MODE=token" in notes
-    assert "get secret rel-kvpool-ray-token -o jsonpath='{.data.auth_token}'" in notes
-    assert "-- kvpool auth issue default)" in notes and "export KVPOOL_CREDENTIAL=" in notes
+    assert "-- kvpool auth issue default)" in notes
+    assert "engine-password" not in notes and "RAY_AUTH_TOKEN" not in notes  # an engine needs neither
     vllm, sglang = _engine_lines(notes)
-    env = {"KVPOOL_REDIS_PASSWORD": "S3cretPw"}
-    words = _shell_words(vllm, env)
+    words = _shell_words(vllm, {})
     assert words[:3] == ["vllm", "serve", "MODEL"] and words[3] == "--kv-transfer-config"
     cfg = json.loads(words[4])
     assert {k: cfg[k] for k in ("kv_connector", "kv_connector_module_path", "kv_role")} == \
         {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm", "kv_role": "kv_both"}
     extra = cfg["kv_connector_extra_config"]
-    want = {"backend": "ray", "ray_address": f"ray://{head}:10001", "namespace": "kvpool",
-            "index_url": f"redis://kvpool-engine:S3cretPw@{redis_host}:6379/0", "tenants": ["default"], "tenant": "default",
-            "chunk_tokens": 256}
+    want = {"backend": "node", "pool": "default", "tenants": ["default"], "tenant": "default", "chunk_tokens": 256}
     assert extra == want
-    assert check_config(extra)["backend"] == "ray"  # the connectors' own check accepts it
+    assert check_config(extra)["backend"] == "node"  # the connectors' own check accepts it
 
-    words = _shell_words(sglang, env)
+    words = _shell_words(sglang, {})
     i = words.index("--hicache-storage-backend-extra-config")
     assert words[i - 3:i] == ["--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic"]
     sg = json.loads(words[i + 1])
@@ -935,7 +929,6 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
     assert {k: sg.pop(k) for k in own} == own
     assert sg == {k: v for k, v in want.items() if k != "chunk_tokens"}
     check_config(sg)
-    assert "S3cretPw" not in notes
 
 
 def _engine_pod(notes: str) -> dict | None:
@@ -959,7 +952,7 @@ def test_notes_engine_pod_for_the_node_backend(tmp_path, value_set):
     notes = render_notes(tmp_path, *args)
     pod = _engine_pod(notes)
     if not vals["node"]["enabled"]:
-        assert pod is None and 'backend "node"' not in notes
+        assert pod is None and "needs node.enabled" in notes  # no engine pod to run: it says why
         return
     rc = one(render(value_set), "RayCluster")
     ray_pod = ray_pod_specs(rc)[vals["worker"]["groupName"]]
@@ -1004,10 +997,10 @@ def test_notes_engine_pod_for_the_node_backend(tmp_path, value_set):
 def test_notes_with_external_redis_in_a_secret(tmp_path):
     notes = render_notes(tmp_path, "-f", str(CHART / "ci" / "external-redis-values.yaml"))
     assert "ray://kvp-head.kv.svc.cluster.example:10001" in notes
-    assert "get secret kvpool-redis-url -o jsonpath='{.data.engine-url}'" in notes
+    assert "engine-url" not in notes  # engines never reach Redis: their node's shard does
     vllm, _ = _engine_lines(notes)
-    cfg = json.loads(_shell_words(vllm, {"KVPOOL_REDIS_URL": "rediss://:x@r:6379/1"})[4])
-    assert cfg["kv_connector_extra_config"]["index_url"] == "rediss://:x@r:6379/1"
+    cfg = json.loads(_shell_words(vllm, {})[4])
+    assert cfg["kv_connector_extra_config"]["backend"] == "node" and "index_url" not in cfg["kv_connector_extra_config"]
 
 
 # ----------------------------------------------------------------------------- Grafana dashboard

@@ -28,23 +28,22 @@ def test_locations_keep_at_most_their_limit():
     assert loc.recall(keys[:2]) == [] and loc.recall(keys[2:]) == ["s"] * 3
 
 
-def _shard(free: int, total: int):
+def _service(free: int, total: int, loads: dict):
     cache = SimpleNamespace(tier_pages=[total], tier_used=lambda t: total - free)
-    return SimpleNamespace(store=SimpleNamespace(_cache=cache), shard_id="here")
+    members = SimpleNamespace(loads=lambda: loads)  # the other shards' (free, total) pages
+    return SimpleNamespace(store=SimpleNamespace(_cache=cache), shard_id="here", members=members)
 
 
 def test_new_chunks_stay_local_while_there_is_room_and_spill_only_to_clearly_emptier_shards():
-    p = Placement(_shard(free=10, total=100), pool=None)
-    p._at = time.monotonic()  # no background refresh in a unit test
-    p._others = {"far": (90, 100)}
-    assert p.spill(4) is None  # free pages here: stays
-    p = Placement(_shard(free=2, total=100), pool=None)
-    p._at = time.monotonic()
-    p._others = {"far": (90, 100), "near": (3, 100)}
+    loads = {"far": (90, 100)}
+    assert Placement(_service(free=10, total=100, loads=loads)).spill(4) is None  # free pages here: stays
+    p = Placement(_service(free=2, total=100, loads=loads))
+    loads["near"] = (3, 100)
     assert p.spill(4) == "far"  # would evict here; the emptiest has room
-    p._others = {"far": (2 + int(SPILL_MARGIN * 100) - 1, 100)}
+    loads.clear()
+    loads["far"] = (2 + int(SPILL_MARGIN * 100) - 1, 100)
     assert p.spill(3) is None  # not clearly emptier: evict here instead
-    p._others = {"far": (2 + int(SPILL_MARGIN * 100) + 1, 100)}
+    loads["far"] = (2 + int(SPILL_MARGIN * 100) + 1, 100)
     assert p.spill(3) == "far"
-    p._others = {"far": (3, 100)}
+    loads["far"] = (3, 100)
     assert p.spill(4) is None  # no room there either

@@ -39,7 +39,7 @@ def test_page_is_the_chunk_the_transformers_connector_stores(family, tmp_path):
     assert chunk["chunk_bytes"] == want.chunk_nbytes and chunk["spec"].layer_kinds == want.layer_kinds
 
 
-def test_issue_qwen2_pages_waste_under_10_percent(tmp_path):
+def test_small_qwen2_pages_waste_under_10_percent(tmp_path):
     from kvpool.cluster.sizing import model_chunk
 
     folder = write(tmp_path / "qwen2", QWEN2)

@@ -1,4 +1,4 @@
-"""Chaos: faults injected one at a time, on a schedule, into a real pool under load (issue 16).
+"""Chaos: faults injected one at a time, on a schedule, into a real pool under load.
 
 A local Ray cluster (3 nodes), a pool started with ``bootstrap.up`` on a Redis server of the
 suite's own (its node files in a run dir of its own), and verifying clients that act like

@@ -1,10 +1,11 @@
-"""``kvpool bench datapath``: kvpool's node data path (issue 17) measured with exactly the operations
+"""``kvpool bench datapath``: kvpool's data path as engines use it measured with exactly the operations
 and the shape of ``kvpool bench peers``, and (``peers=True``) Mooncake Store, Redis and memcpy in the
 same invocation, round for round, with the ratios kvpool/peer of each round.
 
 Setup: a local 2-node Ray cluster on the loopback address (:func:`kvpool.cluster.local.local_cluster`)
 with the pool up (one shard per node, pages of the large size plus 4 KiB, a Redis index of its own:
-a ``redis-server`` this run starts on a free port). The engine side is two plain worker processes
+a ``redis-server`` this run starts on a free port, the slabs and node files in /dev/shm as in
+production), up for kvpool's part of each round only: each system is measured alone. The engine side is two plain worker processes
 that never import Ray (checked in each worker after the work): the **writer** holds a
 ``kvpool.node.client.NodeClient`` of the head node's shard, the **reader** one of the other node's.
 Both slabs are filled with small filler chunks first, so every measured put runs in the steady
@@ -17,19 +18,22 @@ untimed warm-up operations:
 - **put**: the writer stores the key (its bytes already in the writer's buffer): reserve on the
   socket, one copy (and hash) into the slab, commit.
 - **get_same**: the writer reads it back: from shared memory, no call.
-- **get_cross**: the reader reads it: one socket call; its shard fetches the chunk from the
-  writer's shard over their TCP peer link. The reader first waits (untimed) until the pool's index
-  lists the key (the shard publishes just after the commit).
+- **get_cross**: the reader reads it cold: one socket call, in which its shard looks the key up in
+  the index and fetches the chunk from the writer's shard over their TCP peer link (the lookup is
+  inside the timed get, as Mooncake's get includes its metadata lookup). The harness first waits
+  (untimed) until the index lists the key (the shard publishes just after the commit), asking
+  Redis itself so that nothing is remembered on the reader's side. ``get_cross_no_outs`` is the
+  reader's second read, into a fresh array, with the location its first read left.
 - **copy** (memcpy): ``numpy.copyto`` of the same sizes in the writer process; beside it
   **copy_checksum**: ``kvpool.checksum.copy_with_checksum`` heap to heap (the verified copy a put or
   a same-node get makes), the ceiling of a verified copy on this machine.
 
 Every get is timed twice, into preallocated ``outs`` buffers (the engine's case, the main figure)
-and without (a fresh array), in alternating order; every read is checked byte for byte outside
+and without (a fresh array), same-node in alternating order; every read is checked byte for byte outside
 the timed section; a wrong or missing byte fails the run. Timing is inside the worker process
 (the harness's pipe round trips are not counted), as in ``kvpool bench peers``. The peers'
-round ``i`` (``kvpool.bench.peers.run(rounds=1)``) runs right after kvpool's round ``i``, while
-the cluster stays up (same machine state for both).
+round ``i`` (``kvpool.bench.peers.run(rounds=1)``) runs right after kvpool's round ``i``, once the
+pool's cluster is down (alone on the machine, as kvpool's round was).
 
 Result of :func:`run` (``[lo, hi]``: the range over rounds of the per-round figure; 256 KiB:
 per-operation latency percentiles in ms; the large size: GB/s (1e9 B/s) per operation, median and
@@ -87,6 +91,7 @@ from kvpool.cluster.bench.node_report import (  # noqa: F401 - failures and form
     format_table,
 )
 from kvpool.cluster.bench.node_worker import FILLER_BYTES, TENANT
+from kvpool.index import open_index
 
 NS = "kvpool-bench-node"
 DEFAULT_OPS = {"small": 200, "large": 8}
@@ -181,8 +186,20 @@ def _brief(name: str, s: dict) -> str:
     return f"{s['gbps_median']:.2f} GB/s (min {s['gbps_min']:.2f})"
 
 
+def _listed(index, key: str, wait_s: float = 10.0) -> float:
+    """Seconds until the pool's index lists ``key`` (the tenant's address of it)."""
+    from kvpool.auth import scope_tag, scoped
+    from kvpool.keys import ChunkKey
+
+    where = scoped([ChunkKey(bytes.fromhex(key))], scope_tag(TENANT))
+    t0 = time.monotonic()
+    while index.lookup(where).count < 1 and time.monotonic() - t0 < wait_s:
+        time.sleep(0.0005)
+    return time.monotonic() - t0
+
+
 def _kvpool_round(writer: _Worker, reader: _Worker, rnd: int, sizes: dict, ops: dict, warmup: dict,
-                  progress: bool, tally: dict) -> dict:
+                  progress: bool, tally: dict, index) -> dict:
     out = {}
     for k, (name, size) in enumerate(sizes.items()):
         times = {op: [] for op in (*OPS, "get_same_no_outs", "get_cross_no_outs")}
@@ -196,7 +213,10 @@ def _kvpool_round(writer: _Worker, reader: _Worker, rnd: int, sizes: dict, ops: 
                 tally["missing"] += 2
                 continue
             same = writer.call(op="get", key=key, name=name, seed=seed, outs_first=i % 2 == 0)
-            cross = reader.call(op="get", key=key, name=name, seed=seed, outs_first=i % 2 == 1, wait_s=10.0)
+            waited = _listed(index, key)  # untimed: the index lists it (the shard publishes just after the commit)
+            # cold: nothing looked up before, the shard's lookup is inside the timed get (as Mooncake's is);
+            # the second read of the pair (get_cross_no_outs) finds the location the first one left
+            cross = {**reader.call(op="get", key=key, name=name, seed=seed, outs_first=True), "waited_s": waited}
             for r, path in ((same, "get_shm"), (cross, "get_remote")):
                 tally["wrong_bytes"] += r["wrong"]
                 tally["missing"] += r["missing"]
@@ -290,23 +310,28 @@ def run(rounds: int = 3, ops: dict | None = None, warmup: dict | None = None, la
     tally = {"wrong_bytes": 0, "missing": 0, "put_failed": 0, "outs_unused": 0, "wrong_path": 0,
              "index_wait_s": 0.0, "calls": {name: 0 for name in sizes}, "breakdown": {}}
     kv_rounds, mem_rounds, mem_wrong, peer_runs, rtt_rounds = [], [], 0, [], {}
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-node-") as tmp, _own_redis(tmp) as index_url:
-        run_dir = os.path.join(tmp, "run")
-        os.mkdir(run_dir)
-        with _pool(run_dir, index_url, page_bytes, dram_pages, progress) as (head, other, free_pages), \
-                contextlib.ExitStack() as stack:
-            cfg = {"run_dir": run_dir, "sizes": sizes}
-            writer = _Worker("writer", {**cfg, "shard": head}, tmp)
-            stack.callback(writer.close)
-            reader = _Worker("reader", {**cfg, "shard": other}, tmp)
-            stack.callback(reader.close)
-            for w, sid in ((reader, other), (writer, head)):  # full slabs: puts evict and never spill
-                w.call(op="fill", n=dram_pages, seed=7, timeout_s=300)
-                if free_pages(sid) != 0:
-                    raise RuntimeError(f"shard {sid} still has {free_pages(sid)} free pages after the filler")
-            time.sleep(2.5)  # the shards' view of each other's free pages is refreshed every 2 s
-            op_before = {w: w.call(op="stats")["node_op_s"] for w in (writer, reader)}
-            for rnd in range(rounds):
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # where production keeps the slabs
+    op_s: dict[str, dict[str, float]] = {"writer's": {}, "reader's": {}}
+    counts: dict[str, dict[str, int]] = {"writer": {}, "reader": {}}
+    imported_ray, peer_fetched = False, 0
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-node-", dir=shm) as tmp, _own_redis(tmp) as index_url:
+        for rnd in range(rounds):
+            # Each system alone: the pool's cluster is up for kvpool's round only, the peers run after it is down.
+            run_dir = os.path.join(tmp, f"run-{rnd}")
+            os.mkdir(run_dir)
+            with _pool(run_dir, index_url, page_bytes, dram_pages, progress) as (head, other, free_pages), \
+                    contextlib.ExitStack() as stack:
+                cfg = {"run_dir": run_dir, "sizes": sizes}
+                writer = _Worker("writer", {**cfg, "shard": head}, tmp)
+                stack.callback(writer.close)
+                reader = _Worker("reader", {**cfg, "shard": other}, tmp)
+                stack.callback(reader.close)
+                for w, sid in ((reader, other), (writer, head)):  # full slabs: puts evict and never spill
+                    w.call(op="fill", n=dram_pages, seed=7, timeout_s=300)
+                    if free_pages(sid) != 0:
+                        raise RuntimeError(f"shard {sid} still has {free_pages(sid)} free pages after the filler")
+                time.sleep(2.5)  # the shards' view of each other's free pages is refreshed every 2 s
+                op_before = {w: w.call(op="stats")["node_op_s"] for w in (writer, reader)}
                 m = writer.call(op="memcpy", ops=ops, warmup=warmup, timeout_s=300)
                 mem_wrong += m["wrong"]
                 mem = {name: {kind: _summary(name, ts, sizes[name]) for kind, ts in m["times"][name].items()}
@@ -315,30 +340,36 @@ def run(rounds: int = 3, ops: dict | None = None, warmup: dict | None = None, la
                     rtt_rounds.setdefault(role, []).append(P.latency_summary(w.call(op="rtt", n=RTT_CALLS)["s"]))
                 mem_rounds.append(mem)
                 _say(progress, f"round {rnd + 1} memcpy: " + "; ".join(f"{n} {_brief(n, mem[n]['copy'])}" for n in sizes))
-                kv_rounds.append(_kvpool_round(writer, reader, rnd, sizes, ops, warmup, progress, tally))
-                if peers:
-                    _say(progress, f"round {rnd + 1}: the peers (kvpool.bench.peers, one round; it says 'round 1')")
-                    pr = P.run(rounds=1, peers=P.PEERS, progress=progress, redis_url=redis_url,
-                               ops={SMALL: ops[SMALL], "32MiB": ops[large]},
-                               warmup={SMALL: warmup[SMALL], "32MiB": warmup[large]})
-                    peer_runs.append(pr)
-            op_after = {w: w.call(op="stats") for w in (writer, reader)}
-            finals = {name: w.quit() for name, w in (("writer", writer), ("reader", reader))}
+                with contextlib.closing(open_index(index_url)) as index:
+                    kv_rounds.append(_kvpool_round(writer, reader, rnd, sizes, ops, warmup, progress, tally, index))
+                for role, w in (("writer's", writer), ("reader's", reader)):
+                    after = w.call(op="stats")
+                    peer_fetched += after.get("peer_fetched") or 0
+                    for op, sec in after["node_op_s"].items():
+                        if op != "stats" and sec - op_before[w].get(op, 0.0) > 0:
+                            op_s[role][op] = op_s[role].get(op, 0.0) + sec - op_before[w].get(op, 0.0)
+                for name, w in (("writer", writer), ("reader", reader)):
+                    f = w.quit()
+                    imported_ray |= bool(f["ray_imported"])
+                    for c, n in f["counts"].items():
+                        counts[name][c] = counts[name].get(c, 0) + n
+            if peers:
+                _say(progress, f"round {rnd + 1}: the peers alone (kvpool.bench.peers, one round; it says 'round 1')")
+                pr = P.run(rounds=1, peers=P.PEERS, progress=progress, redis_url=redis_url,
+                           ops={SMALL: ops[SMALL], "32MiB": ops[large]},
+                           warmup={SMALL: warmup[SMALL], "32MiB": warmup[large]})
+                peer_runs.append(pr)
     kv = _merge_rounds(kv_rounds)
-    counts = {n: f["counts"] for n, f in finals.items()}
     kv.update({k: tally[k] for k in ("wrong_bytes", "missing", "put_failed", "outs_unused", "wrong_path")})
     kv["put_forwarded"] = counts["writer"].get("put_forwarded", 0)
     kv["index_wait_s_max"] = tally["index_wait_s"]
     kv["node_rtt"] = {f"{role}'s shard": P.range_over_rounds(rs) for role, rs in rtt_rounds.items()}
-    kv["workers_imported_ray"] = any(f["ray_imported"] for f in finals.values())
+    kv["workers_imported_ray"] = imported_ray
     kv["client_counts"] = counts
-    kv["node_op_s"] = {
-        f"{role} shard": {op: s - op_before[w].get(op, 0.0) for op, s in op_after[w]["node_op_s"].items()
-                          if op != "stats" and s - op_before[w].get(op, 0.0) > 0}
-        for role, w in (("writer's", writer), ("reader's", reader))}
+    kv["node_op_s"] = {f"{role} shard": ops_ for role, ops_ in op_s.items()}
     kv["node_op_s"]["ops_per_size"] = tally["calls"]
     kv["breakdown_ms"] = {name: _breakdown_ms(tally["breakdown"].get(name, {})) for name in sizes}
-    kv["node_op_s"]["peer_fetched"] = op_after[writer].get("peer_fetched", 0) + op_after[reader].get("peer_fetched", 0)
+    kv["node_op_s"]["peer_fetched"] = peer_fetched
     result["kvpool"] = kv
     result["memcpy"] = {**_merge_rounds(mem_rounds), "wrong_bytes": mem_wrong}
     if not peers:

@@ -57,7 +57,7 @@ class _Engine:
                     acc[1] += clock() - t0
             return wrapper
 
-        self.client._call = timed(lambda a: f"call {a[0]}", self.client._call)
+        self.client.call = timed(lambda a: f"call {a[0].OP}", self.client.call)
         if hasattr(mod, "copy_with_checksum"):
             mod.copy_with_checksum = timed(lambda a: "client_copy", mod.copy_with_checksum)
 

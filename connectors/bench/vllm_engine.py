@@ -69,7 +69,7 @@ def make_engine(model: str, pool_config: dict[str, Any], *, block_size: int = 32
     if os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0" and \
             pool_config.get("backend", "local") == "local":
         raise BadRequest("an in-process kvpool ('local' backend) needs VLLM_ENABLE_V1_MULTIPROCESSING=0; "
-                         "or use backend 'ray'")
+                         "or use backend 'node'")
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
     if has_kv_transfer_group():

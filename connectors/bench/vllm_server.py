@@ -1,11 +1,11 @@
-"""Time to first token through vLLM's real OpenAI server, the pool on the node path (issue 17).
+"""Time to first token through vLLM's real OpenAI server, the pool through the node's shard.
 
 ``run(context, repeats, backends)`` starts, for ``backend="node"``, a pool *outside* the engine's
 process as an operator runs it (:class:`~kvpool.connectors.bench.node_pool_proc.NodePool`), then vLLM's
 OpenAI server (:class:`~kvpool.connectors.bench.vllm_server_proc.Server`) with the KVPoolConnector on
 ``backend: "node"`` (vLLM's multiprocess engine: the scheduler and the worker each open their own
 NodeClient). ``backend="local"``: the same server with vLLM's engine in-process and the
-connector's in-process pool (what the issue 7 numbers used, there through ``vllm.LLM``).
+connector's in-process pool (as ``vllm.LLM`` in-process uses it).
 
 Every request is a prompt of ``context`` token ids (``prompt`` as a list of ints to
 ``/v1/completions``, ``max_tokens=1``, ``temperature=0``, ``logprobs=1``); ``repeats`` fresh random
@@ -159,7 +159,7 @@ def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("nod
         tiny: bool = False, progress: bool = True, seed: int = 0, model: str = "random") -> dict[str, Any]:
     """One server per backend, one after the other (never two at once on a small machine); see the
     module docstring. ``model``: ``random``, the benchmark Llama (16 KiB of KV per token), or
-    ``qwen2``, issue 19's Qwen2 shape (7.5 KiB); ``tiny``: the engine tests' 2-layer Llama."""
+    ``qwen2``, a small Qwen2 shape (7.5 KiB); ``tiny``: the engine tests' 2-layer Llama."""
     if model not in ("random", "qwen2"):
         raise BadRequest(f"model {model!r}: the server benchmark runs 'random' or 'qwen2'")
     for b in backends:
@@ -193,13 +193,13 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
          seed: int, model_name: str = "random") -> dict[str, Any]:
     import torch
 
-    from kvpool.connectors.bench.ttft import bench_model, issue_qwen2
+    from kvpool.connectors.bench.ttft import bench_model, small_qwen2
 
     workdir = tempfile.mkdtemp(prefix="kvpool-ttft-server-")
     to_close: list = []
     try:
         model_dir = os.path.join(workdir, "model")
-        model = issue_qwen2() if model_name == "qwen2" else bench_model()
+        model = small_qwen2() if model_name == "qwen2" else bench_model()
         if tiny:
             from kvpool.connectors.hf_model import tiny_llama
 

@@ -8,7 +8,7 @@ and the keys are the store's addresses). Calls alternate between the two, and ea
 median over many calls, so a noisy neighbour slows both sides alike. In process is the strictest
 case: with no network round trip to hide behind, the check's share of a call is largest here.
 
-Targets (issue 15): under 2 % of a 32 MiB get, under 10 % of one 256 KiB get.
+Targets: under 2 % of a 32 MiB get, under 10 % of one 256 KiB get.
 
 Also the cost of sealing payloads at rest (``Tenant(encrypt=True)``, AES-256-GCM, opt-in): a
 tenant that seals beside one that does not, on one secured pool, alternating.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from kvpool.errors import BadRequest
@@ -73,6 +74,15 @@ def _bench_datapath(args: argparse.Namespace) -> int:
     for w in why:
         print(f"bench datapath: FAILED: {w}", file=sys.stderr)
     return 1 if why else 0
+
+
+def _bench_placement(args: argparse.Namespace) -> int:
+    from kvpool.cluster.bench import placement
+
+    if args.nodes < 2 or args.capacity < 1:
+        raise BadRequest("--nodes: at least 2 (a node is lost mid-trace); --capacity: at least 1 chunk")
+    _show(args, placement.run(args.trace, nodes=args.nodes, capacity=args.capacity), placement.format_table)
+    return 0
 
 
 def _bench_soak(args: argparse.Namespace) -> int:
@@ -266,6 +276,13 @@ def add_bench_parser(sub) -> None:
                     help="the raw KV's dtype (default float32, as kvpool.connectors.demo.smollm2 loads the model)")
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_bench_capacity)
+    bpl = bsub.add_parser("placement", help="where new chunks go: locality + spill vs the hash ring, on a trace")
+    bpl.add_argument("--trace", default=os.path.join("..", "shared", "data", "mooncake", "conversation_trace.jsonl"),
+                     help="a Mooncake-format trace (default: the published conversation trace, ../shared/data)")
+    bpl.add_argument("--nodes", type=int, default=4)
+    bpl.add_argument("--capacity", type=int, default=4096, help="chunks each node holds (default 4096)")
+    bpl.add_argument("--json", action="store_true")
+    bpl.set_defaults(func=_bench_placement)
     bs = bsub.add_parser("soak", help="concurrent clients on a local multi-node pool: throughput, p99, errors, RSS")
     bs.add_argument("--seconds", type=float, default=600.0, help="measured time after warm-up (default 600)")
     bs.add_argument("--clients", type=int, default=4)
@@ -274,7 +291,7 @@ def add_bench_parser(sub) -> None:
     bs.set_defaults(func=_bench_soak)
     bx = bsub.add_parser("chaos", help="faults one at a time on a local 3-node pool under verifying load")
     bx.add_argument("--faults", default="", help="comma-separated, default all: shard-kill, local-shard-kill, "
-                    "node-kill, redis-stop, redis-restart, controller-restart, fill, ring-change")
+                    "node-kill, redis-stop, redis-restart, controller-restart, fill, members-change")
     bx.add_argument("--runs", type=int, default=1, help="times the schedule of faults runs")
     bx.add_argument("--seconds-per-fault", type=float, default=10.0, help="quiet period after each fault")
     bx.add_argument("--clients", type=int, default=3, help="verifying client processes")
@@ -285,7 +302,7 @@ def add_bench_parser(sub) -> None:
                     help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
     bt.add_argument("--model", choices=["random", "qwen2", "smollm2"], default="random",
                     help="random: a random-weight Llama (exactness); qwen2 (vllm-server): a random-weight Qwen2 "
-                    "in issue 19's shape (5 layers, hidden 768, 12 heads over 3 KV heads); smollm2: the real SmolLM2-135M-Instruct on "
+                    "a small Qwen2 shape (5 layers, hidden 768, 12 heads over 3 KV heads); smollm2: the real SmolLM2-135M-Instruct on "
                     "real English prompts, its answers with and without the pool compared")
     bt.add_argument("--context", default=None, help="prompt lengths in tokens, comma-separated (default "
                     "1024,4096,16384; vllm-server: one, default 4096; smollm2: 1024,4096,8192, the last measured "

@@ -56,37 +56,37 @@ class NodePool:
         return self.client.secured
 
     def _salt(self, credential: str) -> bytes:
-        self._check_tenant(credential)
-        salt = self._salts[claimed_tenant(credential)]
+        salt = self._check_tenant(credential).salt
         return namespace_salt(credential) + b"/" + salt if is_credential(credential) else salt
 
-    def _check_tenant(self, credential: str) -> None:
-        """Bad input fails before anything is read or written, as in LocalPool (the shards verify
-        the credential itself: this process has no secret)."""
+    def _check_tenant(self, credential: str) -> Tenant:
+        """The tenant the caller names; bad input fails before anything is read or written, as in
+        LocalPool (the shards verify the credential itself: this process has no secret)."""
         if not isinstance(credential, str):
             raise BadRequest(f"a tenant is named by its credential (a string), got {type(credential).__name__}")
         if self.secured and not is_credential(credential):
             raise Unauthorized(f"this pool is secured: pass the tenant's credential, not {credential[:64]!r} "
                                "(the operator issues it: kvpool auth issue TENANT)")
-        if claimed_tenant(credential) not in self._salts:
-            raise UnknownTenant(claimed_tenant(credential))
+        name = claimed_tenant(credential)
+        if name not in self._tenants:
+            raise UnknownTenant(name)
+        return self._tenants[name]
 
-    def _format(self, credential: str, shared: object) -> str:
+    @staticmethod
+    def _format(tenant: Tenant, shared: object) -> str:
         """The storage format of the caller's chunks: its tenant's own, or the spec's (``""``; shared
         keys are always in the spec's)."""
-        return "" if shared is True else self._tenants[claimed_tenant(credential)].storage_format
+        return "" if shared is True else tenant.storage_format
 
     def namespace(self, tenant: str, *, shared: bool = False, adapter_id: str = "",
                   extra_keys: Sequence[str | bytes] = ()) -> Namespace:
-        self._check_tenant(tenant)
-        return self._formats.maker(self._format(tenant, shared)).namespace(
+        return self._formats.maker(self._format(self._check_tenant(tenant), shared)).namespace(
             tenant, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def keys(self, tenant: str, tokens: object, *, shared: bool = False, adapter_id: str = "",
              extra_keys: Sequence[str | bytes] = ()) -> list[ChunkKey]:
         """The chunk keys of a prompt's whole chunks in the tenant's (or the shared) namespace and format."""
-        self._check_tenant(tenant)
-        return self._formats.maker(self._format(tenant, shared)).keys(
+        return self._formats.maker(self._format(self._check_tenant(tenant), shared)).keys(
             tenant, tokens, shared=shared, adapter_id=adapter_id, extra_keys=extra_keys)
 
     def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
@@ -115,10 +115,10 @@ class NodePool:
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list[torch.Tensor]:
         """The leading run of chunks that are stored and verify; a payload of another size than
         this spec's chunk ends the run (a miss, as in LocalPool)."""
-        self._check_tenant(tenant)
+        t = self._check_tenant(tenant)
         keys = as_keys(keys)
-        sealer = self._sealer(tenant, keys)
-        codec = self._formats.codec(self._format(tenant, is_shared(keys)))
+        sealer = self._sealer(tenant, t, keys)
+        codec = self._formats.codec(self._format(t, is_shared(keys)))
         where = self.client.addresses(tenant, keys) if sealer is not None else None
         out = []
         for i, data in enumerate(self.client.get(tenant, keys)):
@@ -130,9 +130,9 @@ class NodePool:
             out.append(kv)
         return out
 
-    def _sealer(self, credential: str, keys) -> Sealer | None:
+    def _sealer(self, credential: str, tenant: Tenant, keys) -> Sealer | None:
         """The caller's sealer when its payloads are sealed at rest (kvpool.seal), else None."""
-        if not needs_seal(self._tenants.get(claimed_tenant(credential)), is_shared(keys)):
+        if not needs_seal(tenant, is_shared(keys)):
             return None
         return sealer_for(credential, is_credential(credential), self._sealers)
 
@@ -143,14 +143,13 @@ class NodePool:
         copy of chunk j overlaps nothing): a view is valid until the caller asks for the view after
         next, and the caller releases each one before that (``with view: ...``). Chunks of other
         nodes come in one call, as ``load`` reads them."""
-        self._check_tenant(tenant)
+        t = self._check_tenant(tenant)
         keys = as_keys(keys)
-        if self._sealer(tenant, keys) is None:
-            return self._node_views(tenant, keys)
+        if self._sealer(tenant, t, keys) is None:
+            return self._node_views(tenant, keys, self._formats.codec(self._format(t, is_shared(keys))))
         return (OwnedChunk(kv) for kv in self.load(tenant, keys))  # a generator: callers close() it
 
-    def _node_views(self, tenant: str, keys: list[ChunkKey]) -> Iterator["OwnedChunk"]:
-        codec = self._formats.codec(self._format(tenant, is_shared(keys)))
+    def _node_views(self, tenant: str, keys: list[ChunkKey], codec) -> Iterator["OwnedChunk"]:
         bufs = getattr(self._local, "bufs", None)
         if bufs is None or bufs[0].shape[0] != codec.nbytes:
             bufs = self._local.bufs = [codec.payload_buffer() for _ in range(2)]
@@ -171,16 +170,15 @@ class NodePool:
         itself, no copy, verified when released (kvpool.node.inplace): a release that raises
         ChunkChanged means what the caller copied from that view is not the chunk (a failed load).
         Chunks of other nodes and sealed chunks: :meth:`load_views`."""
-        self._check_tenant(tenant)
+        t = self._check_tenant(tenant)
         keys = as_keys(keys)
-        if self._sealer(tenant, keys) is None:
-            return self._in_place_views(tenant, keys)
+        if self._sealer(tenant, t, keys) is None:
+            return self._in_place_views(tenant, keys, self._formats.codec(self._format(t, is_shared(keys))))
         return self.load_views(tenant, keys)
 
-    def _in_place_views(self, tenant: str, keys: list[ChunkKey]) -> Iterator:
+    def _in_place_views(self, tenant: str, keys: list[ChunkKey], codec) -> Iterator:
         from kvpool.node.inplace import local_views
 
-        codec = self._formats.codec(self._format(tenant, is_shared(keys)))
         n = 0
         for view in local_views(self.client, tenant, keys, codec.decode):
             yield view  # the caller releases (verifies) it before asking for the next
@@ -193,12 +191,12 @@ class NodePool:
              shared: bool = False, request=None) -> int:
         """Stores the chunks of ``keys[start:]``; with ``request`` they stay leased until it ends.
         Every chunk is checked before anything is written."""
-        self._check_tenant(tenant)
+        t = self._check_tenant(tenant)
         keys = as_keys(keys)
         if not isinstance(shared, bool) or is_shared(keys) != shared:
             raise BadRequest("shared=True goes with keys derived with keys(..., shared=True), and only with them")
-        payloads = self._formats.codec(self._format(tenant, shared)).encode_run(keys, chunks, start)
-        sealer = self._sealer(tenant, keys)
+        payloads = self._formats.codec(self._format(t, shared)).encode_run(keys, chunks, start)
+        sealer = self._sealer(tenant, t, keys)
         if sealer is not None:
             where = self.client.addresses(tenant, keys)
             payloads = [sealer.seal(k, pl) for k, pl in zip(where[start:], payloads)]

@@ -18,8 +18,8 @@ One server for the module, in this order (every check through HTTP answers only)
 3. Redis killed: answers stay right and fast; then Redis is back;
 4. the node's shard killed (``ray.kill``): the same;
 5. the Ray head killed (its processes, found by its temp dir): the server keeps answering for more
-   than 70 s (with ``backend: "ray"`` an engine died there: "Failed to connect to GCS within 60
-   seconds", then EngineDeadError).
+   than 70 s (an engine that joined Ray as a driver would die there: "Failed to connect to GCS
+   within 60 seconds", then EngineDeadError; the engine's client never joins Ray).
 """
 
 from __future__ import annotations
