@@ -31,6 +31,8 @@ from kvpool.node.table import PageTable
 
 log = logging.getLogger("kvpool.node")
 IDLE_S = 3600 * 24  # a connection may wait this long between two requests
+DRAIN_S = 2.0  # at most this long reading (and dropping) the payloads of a refused request
+_SCRATCH = bytearray(1 << 16)  # where they go: shared, never read back
 
 
 def sweep_node_files(directory: str, pool: str, shard_id: str) -> None:
@@ -137,6 +139,13 @@ class NodeServer:
                     return  # not a kvpool caller: hang up
                 msg, timeout_s, lens = req
                 deadline = time.monotonic() + timeout_s
+                if lens:  # who sends bytes is checked before a byte of them is kept
+                    try:
+                        self.service.may_send(msg)
+                    except KvPoolError as e:
+                        if not self._refuse(ch, e, sum(lens), min(deadline, time.monotonic() + DRAIN_S)):
+                            return  # not drained in time: the stream is out of step, hang up
+                        continue
                 got = ch.recv_payloads(lens, deadline=deadline) if lens else []
                 # calls to other shards end in time for the answer to reach the caller
                 self.service.answer_by.t = deadline - min(0.2 * timeout_s, 0.25)
@@ -159,6 +168,22 @@ class NodeServer:
             finally:
                 if after is not None:
                     after()  # e.g. a lease on the pages just sent
+
+    @staticmethod
+    def _refuse(ch: wire.Channel, e: KvPoolError, nbytes: int, deadline: float) -> bool:
+        """Answers a refused request with payloads and reads its ``nbytes`` into one scratch buffer
+        (nothing kept, nothing allocated per request; closing with them unread would reset the
+        connection before the caller reads the answer); whether the stream is in step again."""
+        scratch = memoryview(_SCRATCH)
+        try:
+            while nbytes > 0:
+                n = min(nbytes, len(scratch))
+                ch.recv_exact(scratch[:n], deadline=deadline)
+                nbytes -= n
+            ch.send([False, wire.encode_error(e), []], deadline=max(deadline, time.monotonic() + 1.0))
+            return True
+        except (OSError, KvPoolError):
+            return False
 
     # ---------------------------------------------------------------- dispatch
     def _dispatch(self, msg: m.Message, payloads: list, conn: dict):

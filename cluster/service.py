@@ -83,6 +83,13 @@ class ShardService:
         answer can still reach it: a peer that is slow costs the rest of the run, not the call)."""
         return min(time.monotonic() + PEER_TIMEOUT_S, getattr(self.answer_by, "t", float("inf")))
 
+    def may_send(self, msg: m.Message) -> None:
+        """Whether the caller of a request with payloads (``Put``, ``PeerPut``) may send them: its
+        credentials checked before the shard reads a byte of them (its operation checks again)."""
+        if isinstance(msg, m.PeerPut):
+            self.peer(msg.pool, "storing chunks for another shard")
+        self.who(msg.credential)
+
     def peer(self, pool_credential: str, what: str) -> None:
         """Only the pool's own shards call the peer operations."""
         self.auth.require(pool_credential, what, "pool")

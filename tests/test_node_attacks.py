@@ -94,6 +94,46 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
         links.close()
 
 
+def test_announced_bytes_are_refused_on_the_credential_and_never_kept(pool):
+    """A request that carries payloads is refused on its credential alone: the shard reads the
+    bytes into a scratch buffer it never keeps, answers the refusal and serves on; a caller that
+    announces bytes and never sends them is hung up on within a few seconds."""
+    import socket as sk
+    import time
+
+    import numpy as np
+
+    c = pool["client"]
+    key = [bytes(make_keys(1, seed=4)[0])]
+    before = c.shard_stats()["chunks"]
+
+    def dial(address):
+        if address.startswith("/"):
+            s = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+            s.connect(address)
+            return s
+        host, port = address.rsplit(":", 1)
+        return sk.create_connection((host, int(port)), timeout=5)
+
+    at = c._attached().info
+    for address, msg, err in ((at["socket"], m.Put("alice", key), Unauthorized),
+                              (at["peer"], m.PeerPut(ALICE, ALICE, key), Forbidden)):
+        s = dial(address)
+        ch = wire.Channel(s)
+        for _ in range(2):  # refused, and the stream still in step for the next request
+            ch.send([msg.OP, m.WIRE_VERSION, msg.encode(), 5.0, [PAGE]], [np.ones(PAGE, np.uint8)],
+                    deadline=time.monotonic() + 5)
+            ok, e, _ = ch.recv_header(deadline=time.monotonic() + 5)
+            assert not ok and isinstance(wire.decode_error(e), err)
+        ch.send([msg.OP, m.WIRE_VERSION, msg.encode(), 5.0, [PAGE]], deadline=time.monotonic() + 5)  # no bytes
+        s.settimeout(10)
+        t0 = time.monotonic()
+        assert s.recv(1) == b"" and time.monotonic() - t0 < 5  # hung up on, no answer
+        ch.close()
+    assert c.shard_stats()["chunks"] == before  # nothing stored
+    assert c.get(ALICE, make_keys(1, seed=3))  # still serving
+
+
 def test_only_kvpool_engine_operations_answer_on_the_socket(pool):
     c = pool["client"]
     import time
