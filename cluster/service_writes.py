@@ -9,14 +9,16 @@ caller's path (cluster/publisher.py): bytes before index, the quota charged as i
 from __future__ import annotations
 
 from kvpool.checksum import copy_with_checksum
+from kvpool.cluster.node_caps import StageRoom
 from kvpool.errors import BadRequest, KvPoolError, PoolFull, ReservationGone, Unavailable
 from kvpool.node import messages as m
-from kvpool.node.staging import STAGE_BYTES, Stage
+from kvpool.node.staging import Stage
 
 
 class Writes:
     def __init__(self, service) -> None:
         self.s = service
+        self.room = StageRoom(service.pool)  # the connections' staging files, per tenant
 
     def _writer(self, credential: str, raw, shared: bool):
         """The verified writer and its addresses; its 429 while the index refuses its writes here."""
@@ -64,12 +66,16 @@ class Writes:
         for hid in [h for h in self.s.reserved if self.s.store.hold_owner(h) is None]:
             self.s.reserved.pop(hid, None)  # expired uncommitted
 
-    def stage(self, conn: dict, directory: str, page_bytes: int) -> dict:
-        """The connection's staging file (kvpool.node.staging), created on first ask."""
-        if conn.get("stage") is None:
-            nbytes = min(max(STAGE_BYTES, 2 * page_bytes + 4096), 1 << 30)  # two chunks at least
-            conn["stage"] = Stage.create(directory, self.s.pool, nbytes)
-        return {"path": conn["stage"].path, "nbytes": conn["stage"].nbytes}
+    def stage(self, msg: m.Stage, conn: dict, directory: str, page_bytes: int) -> dict:
+        """The connection's staging file (kvpool.node.staging), made on first ask for a verified
+        caller and charged to its tenant until the connection closes (cluster/node_caps.py: the
+        tenant's cap, 429; a run dir without room, 507)."""
+        p = self.s.who(msg.credential)
+        return self.room.open(conn, p.tenant, directory, page_bytes)
+
+    def unstage(self, conn: dict) -> None:
+        """The connection closed: its staging file goes, and its tenant's charge with it."""
+        self.room.close(conn)
 
     def put_staged(self, msg: m.PutStaged, stage: Stage | None):
         """Small chunks in one call: reserved, copied from the connection's staging file with their

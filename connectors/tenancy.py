@@ -210,11 +210,14 @@ def _check_secret(tenant: str, secret: str, ids: list[str]) -> None:
 
 def _read_credentials(path: str) -> dict[str, str]:
     """``{tenant: credential}`` from a JSON file; errors name the file, never a credential."""
+    from kvpool.private import read_private
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        text = read_private(path, "credentials_file")  # a file others can read: refused, naming the chmod
     except OSError as e:
         raise BadRequest(f"credentials_file {path}: cannot read it ({e.strerror})") from None
+    try:
+        data = json.loads(text)
     except ValueError:
         raise BadRequest(f"credentials_file {path}: not JSON (it holds {{\"tenant\": \"kvp1...\"}})") from None
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) and v

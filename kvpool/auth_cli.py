@@ -12,6 +12,7 @@ import os
 
 from kvpool import auth
 from kvpool.errors import BadRequest
+from kvpool.private import read_private
 
 DEFAULT_FILE = os.path.join("~", ".kvpool", "secret")
 _FIX = ("pass --secret-file F, set KVPOOL_SECRET_FILE (a mounted Secret) or KVPOOL_SECRET, "
@@ -54,8 +55,7 @@ def write_secret(path: str, force: bool = False) -> str:
 
 def _read(path: str) -> str:
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        text = read_private(path, "the pool secret").strip()
     except OSError as e:
         raise BadRequest(f"cannot read the pool secret at {path} ({e.strerror}): {_FIX}") from None
     auth.Authority(text)  # at least 16 bytes, or a BadRequest saying how to make one

@@ -130,3 +130,17 @@ class Unavailable(KvPoolError):
     """A remote part of the pool (a shard, the index) did not answer in time."""
 
     status = 503
+
+
+class LimitExceeded(KvPoolError):
+    """A cap on what one tenant may hold besides its byte quota (staging files on a node, engines
+    reporting) is reached; the message names the cap and how to raise it."""
+
+    status = 429
+
+
+class StagingFull(KvPoolError):
+    """The node's run dir has no room for another staging file; the message says how much room
+    it has, what each engine's file takes and how to give it more."""
+
+    status = 507

@@ -145,6 +145,7 @@ def test_auth_issue_prints_a_credential_the_pool_verifies(tmp_path):
     # ~/.kvpool/secret, where `kvpool auth init` and `kvpool up` write by default
     (tmp_path / ".kvpool").mkdir()
     (tmp_path / ".kvpool" / "secret").write_text(f.read_text())
+    (tmp_path / ".kvpool" / "secret").chmod(0o600)
     assert kvpool_env(_env(tmp_path), "auth", "issue", "acme").stdout.strip() == cred
 
 
@@ -171,6 +172,7 @@ def test_ray_token_is_found_where_ray_looks(tmp_path, monkeypatch):
     assert ops.ray_token_source({"RAY_AUTH_TOKEN": "t"}) == "$RAY_AUTH_TOKEN"
     f = tmp_path / "tok"
     f.write_text("t\n")
+    f.chmod(0o600)  # kvpool refuses a token file others can read
     assert ops.ray_token_source({"RAY_AUTH_TOKEN": " ", "RAY_AUTH_TOKEN_PATH": str(f)}) == str(f)
     f.write_text("")
     with pytest.raises(SystemExit, match="is empty"):  # Ray itself aborts on an empty token file
@@ -179,6 +181,7 @@ def test_ray_token_is_found_where_ray_looks(tmp_path, monkeypatch):
         ops.ray_token_source({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "absent")})
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("t")
+    (tmp_path / ".ray" / "auth_token").chmod(0o600)
     assert ops.ray_token_source({}) == str(tmp_path / ".ray" / "auth_token")
     assert [ops.ray_auth_mode(e) for e in ({}, {"RAY_AUTH_MODE": "TOKEN"}, {"RAY_AUTH_MODE": "disabled"})] == \
         ["", "token", "disabled"]

@@ -23,6 +23,7 @@ def connect(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 def test_vllm_config_names_a_private_credentials_file_the_pool_accepts(tmp_path):
     (tmp_path / "secret").write_text(SECRET)
+    (tmp_path / "secret").chmod(0o600)  # kvpool refuses a secret file others can read
     creds = tmp_path / "engine" / "creds.json"
     r = connect(tmp_path, "vllm", "--secret-file", str(tmp_path / "secret"), "--credentials-file", str(creds),
                 "--tenant", "default", "--tenant", "acme", "--chunk-tokens", "128")
@@ -43,6 +44,7 @@ def test_vllm_config_names_a_private_credentials_file_the_pool_accepts(tmp_path)
 
 def test_sglang_config_is_the_dynamic_backends(tmp_path):
     (tmp_path / "secret").write_text(SECRET)
+    (tmp_path / "secret").chmod(0o600)  # kvpool refuses a secret file others can read
     r = connect(tmp_path, "sglang", "--secret-file", str(tmp_path / "secret"), "--chunk-tokens", "64", "--degraded")
     assert r.returncode == 0, r.stderr
     cfg = json.loads(r.stdout)
@@ -57,6 +59,7 @@ def test_bad_input_names_the_fix(tmp_path):
     r = connect(tmp_path, "vllm")  # no pool secret anywhere
     assert r.returncode == 2 and "kvpool auth init" in r.stderr and not r.stdout
     (tmp_path / "secret").write_text(SECRET)
+    (tmp_path / "secret").chmod(0o600)  # kvpool refuses a secret file others can read
     r = connect(tmp_path, "vllm", "--secret-file", str(tmp_path / "secret"), "--chunk-tokens", "0")
     assert r.returncode == 2 and "--chunk-tokens" in r.stderr
     r = connect(tmp_path, "vllm", "--secret-file", str(tmp_path / "secret"), "--tenant", "bad name!")

@@ -763,10 +763,14 @@ def test_pool_secret_is_mounted_into_every_pool_pod(value_set, tmp_path):
         (secret,) = generated
         mounted = tmp_path / key  # the file the pods see
         mounted.write_text(_secret_value(docs, secret, key, 64))
+        mounted.chmod(0o400)  # as the kubelet mounts it (defaultMode): kvpool refuses a file others can read
         assert Authority.from_env({"KVPOOL_SECRET_FILE": str(mounted)}).secured
     for where, spec in pool_pod_specs(docs).items():
         vols = {v["name"]: v for v in spec["volumes"]}
-        assert vols["pool-secret"]["secret"] == {"secretName": name, "items": [{"key": key, "path": key}]}, where
+        assert vols["pool-secret"]["secret"] == {"secretName": name, "defaultMode": 0o400,
+                                                 "items": [{"key": key, "path": key}]}, where
+        sc = spec.get("securityContext") or {}
+        assert sc.get("runAsUser", 0) == 0 or "fsGroup" in sc, where  # a non-root pod reads it through fsGroup
         (c,) = spec["containers"]
         mounts = {m["name"]: m for m in c["volumeMounts"]}
         assert mounts["pool-secret"] == {"name": "pool-secret", "mountPath": POOL_SECRET_DIR, "readOnly": True}

@@ -36,6 +36,7 @@ def secret_file(tmp_path, secret: str | None = None) -> tuple[str, Authority]:
     secret = secret or new_secret()
     path = tmp_path / "pool-secret"
     path.write_text(secret + "\n")
+    path.chmod(0o600)  # kvpool refuses a secret file others can read
     return str(path), Authority(secret)
 
 
@@ -126,6 +127,7 @@ def test_given_credentials_are_checked_and_explicit_secrets_win(tmp_path):
     creds = tmp_path / "credentials.json"
     creds.write_text(json.dumps({"acme": auth.issue("acme"), "globex": auth.issue("globex"),
                                  "other": auth.issue("other")}))
+    creds.chmod(0o600)
     cfg = config("ten-creds", secret_file=path, credentials_file=str(creds),
                  tenants=["default", "acme", {"id": "globex", "request_secret": GLOBEX_SECRET}])
     t = Tenancy(cfg)
@@ -150,6 +152,7 @@ def test_credentials_files_that_are_missing_or_malformed_say_so(tmp_path):
     bad = tmp_path / "bad.json"
     for text, match in (("{", "not JSON"), ('["kvp1.x"]', "JSON object"), ('{"default": 1}', "JSON object")):
         bad.write_text(text)
+        bad.chmod(0o600)
         with pytest.raises(BadRequest, match=match):
             Tenancy({**base, "credentials_file": str(bad)})
 
@@ -164,6 +167,7 @@ def test_a_cluster_pool_takes_credentials_from_the_config(tmp_path):
     auth = Authority(new_secret())  # the cluster's; the engine never holds it
     creds = tmp_path / "credentials.json"
     creds.write_text(json.dumps({"acme": auth.issue("acme")}))
+    creds.chmod(0o600)
     cfg = {"backend": "node", "tenants": ["acme", "globex"], "tenant": "acme", "credentials_file": str(creds)}
     with pytest.raises(BadRequest, match=r"tenants \['globex'\] have no credential"):
         Tenancy(cfg)

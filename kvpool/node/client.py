@@ -21,13 +21,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.auth import claimed_tenant, scope_tag, scoped
+from kvpool.auth import CREDENTIAL_ENV, claimed_tenant, scope_tag, scoped
 from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
 from kvpool.errors import ChunkTooLarge, KvPoolError, Unavailable
@@ -137,14 +138,18 @@ class NodeClient(NodeConnection):
         r, _ = self.call(m.Pin(credential, _raw(keys), is_shared(keys)))
         return int(r)
 
-    def report(self, name: str, figures: dict) -> None:
+    def report(self, name: str, figures: dict, credential: str | None = None) -> None:
         """Sends a connector's figures to the pool (fire and forget: an engine's scheduler calls
-        this, and must not wait on a slow shard)."""
+        this, and must not wait on a slow shard), with ``credential``: by default the latest one
+        the shard accepted from this engine, else ``$KVPOOL_CREDENTIAL`` (a secured pool refuses
+        a report without one: counted ``report_failed``)."""
+        credential = credential or self.last_credential or os.environ.get(CREDENTIAL_ENV, "")
+
         def send() -> None:
             try:
-                self.call(m.Report(name, figures))
+                self.call(m.Report(credential, name, figures))
             except KvPoolError:
-                pass
+                self.counts["report_failed"] += 1
 
         threading.Thread(target=send, daemon=True, name="kvpool-report").start()
 
@@ -237,7 +242,7 @@ class NodeClient(NodeConnection):
             rest = None if dsts is None else dsts[n:]
             shards = list(hit.shards[n: hit.count]) if hit is not None and hit.count > n else None  # the lookup's
             r, got = self.call(m.Get(credential, _raw(keys[n:]), is_shared(keys), shards), outs=rest,
-                               prepare=lambda ch, msg, d: (self._stage(ch, d), msg)[1], after=self._unstage(rest))
+                               prepare=lambda ch, msg, d: (self._stage(ch, d, msg.credential), msg)[1], after=self._unstage(rest))
             count = int(r["count"])
             out.extend(got[:count])
             if count:

@@ -32,6 +32,7 @@ from kvpool.node.touches import Touches
 log = logging.getLogger("kvpool.node")
 SHARD_ENV = "KVPOOL_SHARD"
 RECHECK_S = 1.0  # how often reads look whether the shard behind the mapped table changed
+STAGE_RETRY_S = 30.0  # a connection the shard gave no staging file asks again after this long
 
 
 class NodeConnection:
@@ -44,6 +45,8 @@ class NodeConnection:
         self.retry_s = retry_s
         self.counts: Counter[str] = Counter()
         self._vouched: set[tuple[str, str]] = set()  # (credential, shard incarnation) the shard accepted
+        self.last_credential: str | None = None  # the latest the shard accepted (what reports go with)
+        self._stage_warned = False
         self.touches = Touches(self)  # same-node hits, told to the shard in the background
         self._lock = threading.Lock()
         self._idle: list[wire.Channel] = []
@@ -174,27 +177,47 @@ class NodeConnection:
             if len(self._vouched) >= 4096:
                 self._vouched.clear()
             self._vouched.add((credential, at.info.get("incarnation")))
+            self.last_credential = credential
         return result, got
 
     def shard_stats(self) -> dict:
         """This node's shard's stats (kvpool.cluster.shard), asked on its socket."""
         return self.call(m.Stats())[0]
 
-    def _stage(self, sock: wire.Channel, deadline: float) -> Stage:
-        """The channel's staging file, asked for once per connection."""
+    def _stage(self, sock: wire.Channel, deadline: float, credential: str) -> Stage | None:
+        """The channel's staging file, asked for once per connection with the caller's credential;
+        None when the shard has no room for it (its run dir is full, 507, or the tenant holds its
+        cap of them, 429): logged once with the shard's fix, counted ``stage_refused``, and the
+        call goes without one (asked again after ``STAGE_RETRY_S``)."""
         stage = getattr(sock, "stage", None)
-        if stage is None:
-            ok, r, _ = sock.request(m.Stage(), deadline=deadline, timeout_s=self.timeout_s)
+        if stage is None and time.monotonic() >= getattr(sock, "unstaged_until", 0.0):
+            ok, r, _ = sock.request(m.Stage(credential), deadline=deadline, timeout_s=self.timeout_s)
             if not ok:
-                raise wire.decode_error(r)
+                e = wire.decode_error(r)
+                if e.status not in (429, 507):
+                    raise e
+                self._stage_refused(e)
+                sock.unstaged_until = time.monotonic() + STAGE_RETRY_S
+                return None
             stage = sock.stage = Stage.attach(r["path"], r["nbytes"])
         return stage
 
+    def _stage_refused(self, e: KvPoolError) -> None:
+        self.counts["stage_refused"] += 1
+        if not self._stage_warned:
+            self._stage_warned = True
+            log.warning("kvpool: the node's shard gives this engine no staging file: %s. Its small writes take one "
+                        "call more and its reads of other nodes' chunks come over the socket until it has room "
+                        "(counted: stage_refused; logged once)", e)
+
     def _staged(self, arrays: Sequence[np.ndarray]):
         """``prepare`` for ``put_staged``: the channel's staging file filled with ``arrays``;
-        their offsets go with the call."""
-        def prepare(sock: wire.Channel, msg: m.PutStaged, deadline: float) -> m.PutStaged:
-            stage = self._stage(sock, deadline)
+        their offsets go with the call. Without one, the write is a ``reserve`` (then the copy
+        into the slab and ``commit``)."""
+        def prepare(sock: wire.Channel, msg: m.PutStaged, deadline: float) -> m.PutStaged | m.Reserve:
+            stage = self._stage(sock, deadline, msg.credential)
+            if stage is None:
+                return m.Reserve(msg.credential, msg.keys, msg.shared, msg.first_position, msg.request_id, msg.sizes)
             offsets = stage.layout(arrays)
             assert offsets is not None, "the caller checked that the chunks fit STAGE_BYTES"
             stage.fill(arrays, offsets)

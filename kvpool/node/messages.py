@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from kvpool.errors import BadRequest
 
-WIRE_VERSION = 3  # bump when an operation's fields or results change meaning
+WIRE_VERSION = 4  # bump when an operation's fields or results change meaning
 MAX_KEYS = 2048  # chunks in one call
 MAX_TEXT = 4096  # a credential, a tenant or shard name, a path
 
@@ -88,9 +88,26 @@ def _requests(v, name):
     return {_text(k, name): _count(x, name) for k, x in v.items()}
 
 
+MAX_FIGURES = 64  # in one engine's report
+MAX_FIGURE_TEXT = 256  # a figure's name or text value, an engine's name
+
+
 def _figures(v, name):
-    if not isinstance(v, dict) or len(v) > 256:
-        raise BadRequest(f"{name} must be a dict of at most 256 figures")
+    """An engine's report: a few named figures, each a number, a flag, a short text or None."""
+    ok = isinstance(v, dict) and len(v) <= MAX_FIGURES and all(
+        isinstance(k, str) and len(k) <= MAX_FIGURE_TEXT and (
+            x is None or isinstance(x, (bool, int, float)) or isinstance(x, str) and len(x) <= MAX_FIGURE_TEXT)
+        for k, x in v.items())
+    if not ok:
+        raise BadRequest(f"{name} must be a dict of at most {MAX_FIGURES} figures, each named in at most "
+                         f"{MAX_FIGURE_TEXT} characters and a number, True/False, None or a text of at most "
+                         f"{MAX_FIGURE_TEXT} characters")
+    return v
+
+
+def _engine_name(v, name):
+    if not isinstance(v, str) or not v or len(v) > MAX_FIGURE_TEXT:
+        raise BadRequest(f"{name} must be an engine's name of 1 to {MAX_FIGURE_TEXT} characters")
     return v
 
 
@@ -212,10 +229,12 @@ class Touch(Message):
     shared: bool = False
 
 
-@op("report", name=_text, figures=_figures)
+@op("report", credential=_text, name=_engine_name, figures=_figures)
 class Report(Message):
-    """An engine's measured figures, for `kvpool stats` -> None."""
+    """An engine's measured figures, for `kvpool stats`, sent with any credential the engine holds
+    (its name is shown with that credential's tenant) -> None."""
 
+    credential: str
     name: str
     figures: dict
 
@@ -225,9 +244,12 @@ class Stats(Message):
     """-> this shard's stats."""
 
 
-@op("stage")
+@op("stage", credential=_text)
 class Stage(Message):
-    """This connection's staging file, made on first ask -> ``{"path", "nbytes"}``."""
+    """This connection's staging file, made on first ask and charged to the credential's tenant
+    (its cap on this node: 429; a run dir without room: 507) -> ``{"path", "nbytes"}``."""
+
+    credential: str
 
 
 @op("reserve", **_WRITE, sizes=_counts)

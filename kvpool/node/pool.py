@@ -102,10 +102,11 @@ class NodePool:
     def end(self, request) -> None:
         self.client.end(request)
 
-    def report(self, name: str, figures: dict) -> None:
+    def report(self, name: str, figures: dict, credential: str | None = None) -> None:
         """Publishes a connector's measured figures to the controller (fire and forget), where
-        `kvpool stats` shows them, through the node's shard."""
-        self.client.report(name, figures)
+        `kvpool stats` shows them, through the node's shard; with ``credential`` (any of the
+        engine's; by default the latest the shard accepted from it)."""
+        self.client.report(name, figures, credential)
 
     def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Pins the leading run of cached chunks (warm-up, an operator's), within each shard's pinned cap."""

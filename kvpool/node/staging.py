@@ -9,8 +9,10 @@ computing their checksums as it copies (so the checksum is of the bytes the shar
 and answers. Larger chunks keep the one-copy path (reserve, copy into the slab, commit).
 
 The shard creates the file (``kvpool-<pool>-stage-<token>.kvstage``, mode 0600) when a connection
-first asks for it, reads it only at offsets it checks against its size, and removes it when the
-connection closes; a dead shard's are swept by the next one. Only the engine writes into it.
+first asks for it with a credential it verifies (the file is charged to that tenant, within its
+cap on the node: kvpool.cluster.node_caps), reads it only at offsets it checks against its size,
+and removes it when the connection closes; a dead shard's are swept by the next one. Only the
+engine writes into it.
 """
 
 from __future__ import annotations

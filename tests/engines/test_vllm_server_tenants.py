@@ -54,6 +54,7 @@ class Server:
     def __init__(self, model: str, workdir) -> None:
         secret_file = workdir / "pool-secret"
         secret_file.write_text(POOL_SECRET)
+        secret_file.chmod(0o600)
         pool = {"backend": "local", "pool": "server-tenants", "chunk_tokens": CHUNK, "dram_mib": 16,
                 "secret_file": str(secret_file), "tenant": "default",
                 "tenants": ["default", "acme", {"id": "globex", "request_secret": GLOBEX}],

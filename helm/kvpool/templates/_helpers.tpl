@@ -184,6 +184,8 @@ authOptions, so an operator without authOptions still gets it) and KVPOOL_SECRET
 - name: pool-secret
   secret:
     secretName: {{ include "kvpool.poolSecretName" . }}
+    {{- /* kvpool refuses a secret file others can read: the owner's alone (the pods' fsGroup reads it) */}}
+    defaultMode: 256  # 0400 (decimal: every YAML parser reads it alike)
     items:
       - key: {{ .Values.auth.existingSecretKey }}
         path: {{ .Values.auth.existingSecretKey }}

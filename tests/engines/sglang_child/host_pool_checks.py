@@ -369,6 +369,7 @@ def test_a_secured_pool_serves_the_request_secrets_of_credentials(tmp_path):
 
     secret = new_secret()
     (tmp_path / "secret").write_text(secret)
+    (tmp_path / "secret").chmod(0o600)
     auth = Authority(secret)
     host = make_host("page_first")
     backend = make_backend(host, "sec", tenants=["alice", "bob"], tenant="alice", secret_file=str(tmp_path / "secret"))
