@@ -26,6 +26,17 @@ NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 UNITS = sorted(_SIZE_UNITS)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def operator_env():
+    """`kvpool tenants` acts only for an operator: this process holds a pool secret."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVPOOL_SECRET", "bad-input-cli-test-secret-0123456789")
+    mp.delenv("KVPOOL_CREDENTIAL", raising=False)
+    mp.delenv("KVPOOL_SECRET_FILE", raising=False)
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     r = OwnRedis(tmp_path_factory.mktemp("redis-bad-cli"))

@@ -9,12 +9,16 @@ from kvpool.bench import index as bench_index
 from kvpool.index.redis_index import RedisIndex
 from kvpool.sizing import parse_size
 
+SECRET = "index-cli-test-secret-0123456789"  # `kvpool tenants` acts for an operator: the pool secret's holder
+
 
 def kvpool(*args, env=None, check=True):
     import os
 
     return subprocess.run([sys.executable, "-m", "kvpool.cli", *args], capture_output=True, text=True,
-                          timeout=120, check=check, env={**os.environ, **(env or {})})
+                          timeout=120, check=check,
+                          env={**os.environ, "KVPOOL_SECRET": SECRET, "KVPOOL_SECRET_FILE": "", "KVPOOL_CREDENTIAL": "",
+                               **(env or {})})
 
 
 def test_tenants_cli_round_trip(own_redis):

@@ -10,8 +10,11 @@ Rules of the contract:
 - a lookup answers "how many leading keys of this prompt exist, and where" in one round trip,
   and never raises: when the index cannot answer in time it is a miss (count 0);
 - a shard whose heartbeat lapses is dead; ``purge_dead`` removes its entries and refunds them;
-- the index is rebuildable: ``reconcile`` republishes what a shard holds (after a Redis restart
-  with an empty dataset) and drops what it no longer holds;
+- the index is rebuildable: ``reconcile`` republishes what a shard holds and the index lacks
+  (after a Redis restart with an empty dataset, or entries deleted behind its back: it compares
+  the shard's store with the entries present, not with its own listing) and drops what it no
+  longer holds; a backend whose usage counters can be written from outside (Redis) recomputes
+  them there from what is indexed, so a forged counter heals;
 - stored and removed chunks are appended to an event stream for routers.
 """
 
@@ -284,12 +287,16 @@ class Index(ABC):
         have = self.shard_keys(shard)
         want = {e.key for e in held}
         removed = self.remove(sorted(have - want), shard=shard) if have - want else 0
+        published, refused = self._republish([e for e in held if e.key not in have])
+        return ReconcileResult(published, removed, tuple(refused))
+
+    def _republish(self, missing: Sequence[IndexEntry]) -> tuple[int, list[IndexEntry]]:
+        """Publishes a reconcile's missing entries: (how many were published, the refused ones)."""
         # NOTE: one tenant over its quota (or unknown) must not block the others' entries: publish
         # per tenant, and within a refused tenant what fits (oldest first); the rest is refused.
         by_tenant: dict[str, list[IndexEntry]] = {}
-        for e in held:
-            if e.key not in have:
-                by_tenant.setdefault(e.tenant, []).append(e)
+        for e in missing:
+            by_tenant.setdefault(e.tenant, []).append(e)
         published, refused = 0, []
         for entries in by_tenant.values():
             try:
@@ -306,7 +313,7 @@ class Index(ABC):
                     break
                 except QuotaExceeded:
                     refused.append(e)
-        return ReconcileResult(published, removed, tuple(refused))
+        return published, refused
 
     # ---------------------------------------------------------------- events
     @abstractmethod

@@ -26,9 +26,9 @@ from redis.retry import Retry
 
 from kvpool.errors import BadRequest, Forbidden, QuotaExceeded, Unavailable, UnknownTenant
 from kvpool.index import base as checks
-from kvpool.index.base import MISS, Event, Index, IndexEntry, PrefixHit, TenantInfo
+from kvpool.index.base import MISS, Event, Index, IndexEntry, PrefixHit, ReconcileResult, TenantInfo
 from kvpool.index.redis_keys import Keys
-from kvpool.index.redis_lua import PUBLISH, REMOVE
+from kvpool.index.redis_lua import PUBLISH, REMOVE, SETTLE
 from kvpool.keys import KEY_BYTES, ChunkKey
 from kvpool.tenants import UNLIMITED
 
@@ -55,7 +55,7 @@ def _noperm(e: Exception) -> bool:
 
 # The role (kvpool.index.redis_acl) whose user may make each write; named in a 403.
 _ROLE_OF = {what: "shard" for what in ("publish", "remove", "register_shard", "heartbeat", "register a tenant",
-                                        "shards", "purge", "shard_keys", "epoch")}
+                                        "shards", "purge", "shard_keys", "epoch", "reconcile")}
 
 
 class RedisIndex(Index):
@@ -85,6 +85,7 @@ class RedisIndex(Index):
             ) from None
         self._publish = self._w.register_script(PUBLISH)
         self._remove = self._w.register_script(REMOVE)
+        self._settle = self._w.register_script(SETTLE)
         self._backoff = backoff_s
         self._down_until = 0.0
         self._names: dict[bytes, str] = {}
@@ -300,9 +301,17 @@ class RedisIndex(Index):
         pipe = self._w.pipeline(transaction=True)
         pipe.hdel(self.keys.shards, shard)
         pipe.delete(self.keys.shard_set(shard), self.keys.heartbeat(shard))
+        pipe.delete(self.keys.shard_usage(shard), self.keys.shard_charges(shard))  # NOTE: another ACL selector
         self._write("purge", pipe.execute)
         log.info("index: forgot shard %s (%d entries)", shard, n)
         return n
+
+    def reconcile(self, shard: str, held: Sequence[IndexEntry]) -> ReconcileResult:
+        """Checks the shard's store against the chunk entries present, not against its own key
+        set, and settles its tenants' usage from what is indexed (kvpool.index.redis_reconcile)."""
+        from kvpool.index.redis_reconcile import reconcile
+
+        return reconcile(self, shard, held)
 
     def epoch(self) -> str | None:
         v = self._write("epoch", self._w.get, self.keys.epoch)

@@ -4,6 +4,9 @@ NOTE: a script runs with the caller's Redis ACL (every ``redis.call`` is checked
 keys each script touches are the ``shard`` role's in kvpool.index.redis_acl, kept in step there."""
 
 # ARGV: prefix, events maxlen, then five per entry: chunk key, encoded value, tenant, nbytes, shard.
+# Usage is charged twice: the tenant's total ({p}:u:<tenant>, what the quota is checked against)
+# and each shard's part ({p}:su:<shard>, with a count of charges in {p}:sv:<shard>), so that SETTLE
+# can recompute the total from the parts.
 # Returns {0, fresh...} or an error tuple: {-1, tenant, usage, quota, requested} over quota,
 # {-2, shard} unknown shard, {-3, tenant} unknown tenant. Nothing is written on an error.
 PUBLISH = r"""
@@ -32,6 +35,7 @@ for _, tenant in ipairs(order) do
     return {-1, tenant, tostring(usage), tostring(q), tostring(charge[tenant])}
   end
 end
+local part, parts = {}, {}  -- each shard's part of the charge, per tenant (kept for SETTLE)
 for i = 0, n - 1 do
   if fresh[i + 1] == 1 then
     local b = 3 + i * 5
@@ -39,10 +43,17 @@ for i = 0, n - 1 do
     redis.call('SADD', p .. ':s:' .. ARGV[b + 4], ARGV[b])
     redis.call('XADD', p .. ':events', 'MAXLEN', '~', maxlen, '*',
                'kind', 'stored', 'key', ARGV[b], 'shard', ARGV[b + 4], 'tenant', ARGV[b + 2])
+    local st = ARGV[b + 4] .. '\0' .. ARGV[b + 2]
+    if not part[st] then part[st] = 0; parts[#parts + 1] = {ARGV[b + 4], ARGV[b + 2], st} end
+    part[st] = part[st] + tonumber(ARGV[b + 3])
   end
 end
 for _, tenant in ipairs(order) do
   redis.call('INCRBY', p .. ':u:' .. tenant, charge[tenant])
+end
+for _, x in ipairs(parts) do
+  redis.call('HINCRBY', p .. ':su:' .. x[1], x[2], part[x[3]])
+  redis.call('HINCRBY', p .. ':sv:' .. x[1], x[2], 1)
 end
 local out = {0}
 for i = 1, n do out[i + 1] = fresh[i] end
@@ -83,6 +94,7 @@ for i = 4, #ARGV do
         shard, tenant = shard or '', ''
       elseif redis.call('EXISTS', p .. ':t:' .. tenant) == 1 then
         redis.call('INCRBY', p .. ':u:' .. tenant, -nb)
+        redis.call('HINCRBY', p .. ':su:' .. shard, tenant, -nb)
       end
       redis.call('XADD', p .. ':events', 'MAXLEN', '~', maxlen, '*',
                  'kind', 'removed', 'key', k, 'shard', shard, 'tenant', tenant)
@@ -91,4 +103,51 @@ for i = 4, #ARGV do
   end
 end
 return removed
+"""
+
+# ARGV: prefix, shard, n, then n pairs (tenant, bytes): what a reconcile found indexed on this shard,
+# then pairs (tenant, charges) of {p}:sv:<shard> as read before that scan. Sets the shard's part of
+# each tenant's usage to what was found; where a publish charged the tenant on this shard since
+# the read (the count moved), the scan may have missed it, so the part only grows. Then sets every
+# tenant's usage to the sum of the registered shards' parts: a forged counter heals. Returns
+# {parts changed, usages changed}.
+SETTLE = r"""
+local p, s, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local su, sv = p .. ':su:' .. s, p .. ':sv:' .. s
+local function int(x) return string.format('%.0f', x) end
+local found, seen = {}, {}
+for i = 0, n - 1 do found[ARGV[4 + 2 * i]] = tonumber(ARGV[5 + 2 * i]) end
+for i = 4 + 2 * n, #ARGV, 2 do seen[ARGV[i]] = ARGV[i + 1] end
+local cur, names = {}, {}
+local flat = redis.call('HGETALL', su)
+for i = 1, #flat, 2 do cur[flat[i]] = tonumber(flat[i + 1]) or 0; names[#names + 1] = flat[i] end
+for t, _ in pairs(found) do if cur[t] == nil then cur[t] = 0; names[#names + 1] = t end end
+local parts = 0
+for _, t in ipairs(names) do
+  local want = found[t] or 0
+  if want < cur[t] and (redis.call('HGET', sv, t) or '') ~= (seen[t] or '') then want = cur[t] end
+  if want ~= cur[t] then parts = parts + 1 end
+  if want == 0 then redis.call('HDEL', su, t) elseif want ~= cur[t] then redis.call('HSET', su, t, int(want)) end
+end
+local total = {}
+for _, shard in ipairs(redis.call('HKEYS', p .. ':shards')) do
+  local f = redis.call('HGETALL', p .. ':su:' .. shard)
+  for i = 1, #f, 2 do total[f[i]] = (total[f[i]] or 0) + (tonumber(f[i + 1]) or 0) end
+end
+-- NOTE: exact integers only (Lua's numbers are doubles): the counter goes to 0 by its own
+-- negated text, then up by the sum; a counter that is no integer (INCRBY refuses it) is left.
+local usages = 0
+for _, t in ipairs(redis.call('SMEMBERS', p .. ':tenants')) do
+  local k = p .. ':u:' .. t
+  local u, want = redis.pcall('GET', k), int(total[t] or 0)
+  if u == false then u = '0' end
+  if type(u) == 'string' and u ~= want then
+    local back = (u == '0') and {ok = 0} or redis.pcall('INCRBY', k, string.sub(u, 1, 1) == '-' and string.sub(u, 2) or '-' .. u)
+    if type(back) == 'number' or back.ok then
+      if want ~= '0' then redis.call('INCRBY', k, want) end
+      usages = usages + 1
+    end
+  end
+end
+return {parts, usages}
 """
