@@ -4,6 +4,7 @@ actor), the controller, and one shard on every alive node, pinned there."""
 from __future__ import annotations
 
 import logging
+import uuid
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -22,12 +23,15 @@ def shard_id_of(node_id: str) -> str:
 
 def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | None = None,
        index_url: str | None = None, namespace: str | None = None, ttl_s: float = 5.0,
-       controller_interval_s: float = 1.0, timeout_s: float = 120.0, secret: str | None = None) -> dict:
+       controller_interval_s: float = 1.0, timeout_s: float = 120.0, secret: str | None = None,
+       secret_file: str | None = None) -> dict:
     """Places what is missing (idempotent: run it again after nodes join). Ray must be initialized.
 
-    ``secret``: the pool secret (kvpool.auth), given to the pool's actors in their environment; by
-    default this process's (``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET``), and without one the
-    pool is open (any caller may act as any tenant: loopback tests and demos only)."""
+    ``secret``: the pool secret (kvpool.auth); by default this process's (``$KVPOOL_SECRET_FILE`` /
+    ``$KVPOOL_SECRET``), and without one the pool is open (any caller may act as any tenant:
+    loopback tests and demos only). The pool's actors read it from a file (``secret_file``, which
+    every node must have, or a private copy on this machine): their environment names only the
+    path, since Ray stores an actor's environment where any Ray client can read it."""
     if index_url:  # a dead Redis is a typed 503 naming it, before any actor starts
         from kvpool.index import open_index
 
@@ -37,7 +41,7 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
         finally:
             idx.close()
     auth = Authority(secret) if secret is not None else Authority.from_env()
-    env = {"runtime_env": {"env_vars": auth.secret_env()}} if auth.secured else {}
+    env = {"runtime_env": {"env_vars": auth.secret_file_env(secret_file)}} if auth.secured else {}
     store = store or {"page_bytes": 32 << 20, "dram_pages": 16}
     tenants = tenants or [{"id": "default"}]
     # The control plane (and the embedded index) stays on this node, the one running `kvpool up`
@@ -64,9 +68,15 @@ def up(pool: str = "default", store: dict | None = None, tenants: list[dict] | N
         started.append((sid, h))
     for sid, h in started:
         try:
-            info = ray.get(h.info.remote(), timeout=timeout_s)
+            challenge = uuid.uuid4().hex
+            info = ray.get(h.info.remote(challenge), timeout=timeout_s)
         except ray.exceptions.RayActorError as e:
             _raise_start_error(sid, e)
+        if not auth.proven(info.get("proof"), "shard", sid, str(info.get("incarnation")), challenge):
+            from kvpool.errors import Forbidden
+
+            raise Forbidden(f"the actor named {shard_name(pool, sid)} does not hold the pool secret: not one of the "
+                            "pool's shards (another Ray process took its name); not registered")
         ray.get(controller.register.remote(sid, info, credential=auth.pool_credential()), timeout=timeout_s)
         log.info("kvpool: shard %s on node %s", sid, info["node_id"][:12])
     return ray.get(controller.state.remote(), timeout=timeout_s)

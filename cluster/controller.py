@@ -38,19 +38,28 @@ class Reports:
 
     EXPIRE_INTERVALS = 3
     LEGACY_TTL_S = 600.0
+    MAX_ENGINES = 4096
 
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
         self._by_name: dict[str, dict] = {}
         self._lock = threading.Lock()  # the actor serves calls on several threads
         self.expired = 0
+        self.refused = 0
 
     def add(self, name: str, figures: dict) -> None:
+        """``figures["tenant"]``: whose credential sent it (the shards add it); an engine of that
+        name reported by another tenant is kept apart, never replaced or said goodbye to."""
         with self._lock:
+            old, tenant = self._by_name.get(name), figures.get("tenant")
+            if old is not None and tenant is not None and old.get("tenant", tenant) != tenant:
+                name = f"{name} [{tenant}]"
             if figures.get("goodbye"):
                 self._by_name.pop(name, None)
-            else:
+            elif name in self._by_name or len(self._by_name) < self.MAX_ENGINES:
                 self._by_name[name] = {**figures, "reported_at": self._clock()}
+            else:
+                self.refused += 1  # the shards cap each tenant's; this caps them all
 
     def live(self) -> dict:
         now = self._clock()
@@ -279,7 +288,10 @@ class Controller:
                 continue
             try:
                 h = ray.get_actor(shard_name(self.pool, s))
-                info = ray.get(h.info.remote(), timeout=max(self.interval_s * 5, 5.0))
+                challenge = uuid.uuid4().hex
+                info = ray.get(h.info.remote(challenge), timeout=max(self.interval_s * 5, 5.0))
+                if not self.auth.proven(info.get("proof"), "shard", s, str(info.get("incarnation")), challenge):
+                    raise RuntimeError("it did not prove it holds the pool secret: not one of the pool's shards")
                 if info.get("node_id") in dead_nodes:
                     raise RuntimeError("its node is dead")
             except Exception as e:  # noqa: BLE001 - not reachable now: maybe next pass

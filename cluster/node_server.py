@@ -64,6 +64,7 @@ class NodeServer:
         fcntl.flock(self._alive, fcntl.LOCK_EX)
         self._stop = threading.Event()
         self.served = 0
+        self.refused_peers = 0  # peer-port connections that did not open with the pool's credential
         self.op_time: dict[str, float] = {}  # seconds spent in each operation
         path = self.paths["socket"]
         try:
@@ -103,7 +104,8 @@ class NodeServer:
     def stats(self) -> dict:
         links = self.service.links
         return {**self._stats(), "node_op_s": dict(self.op_time), "node_served": self.served,
-                "peer_fetched": links.fetched, "peer_failed": links.failed}
+                "peer_fetched": links.fetched, "peer_failed": links.failed,
+                "peer_refused_connections": self.refused_peers}
 
     # ---------------------------------------------------------------- connections
     def _serve(self, listener: socket.socket, allowed: frozenset) -> None:
@@ -121,10 +123,26 @@ class NodeServer:
         state: dict = {}  # this connection's: its staging file
         try:
             with sock:
-                self._requests(wire.Channel(sock), allowed, state)
+                ch = wire.Channel(sock)
+                if allowed is m.PEER_OPS and not self._peer_opened(ch):
+                    return  # not one of the pool's shards: hang up before reading a header
+                self._requests(ch, allowed, state)
         finally:
-            if state.get("stage") is not None:
-                state["stage"].close()
+            self.service.writes.unstage(state)  # its staging file, and its tenant's charge for it
+
+    def _peer_opened(self, ch: wire.Channel) -> bool:
+        """The peer port's fixed-size opening (kvpool.node.wire.preamble), read within a second:
+        only a holder of the pool's credential gets a header read."""
+        data = bytearray(wire.PREAMBLE.size)
+        try:
+            ch.recv_exact(memoryview(data), deadline=time.monotonic() + 1.0)
+        except (OSError, KvPoolError):
+            return False
+        if wire.check_preamble(bytes(data), self.service.links.credential):
+            return True
+        self.refused_peers += 1
+        log.warning("node: a connection to the peer port without the pool's opening: closed unread")
+        return False
 
     def _requests(self, ch: wire.Channel, allowed: frozenset, state: dict) -> None:
         while not self._stop.is_set():
@@ -194,7 +212,7 @@ class NodeServer:
             case m.Stats():
                 return self.stats()
             case m.Stage():
-                return w.stage(conn, self.directory, self.page_bytes)
+                return w.stage(msg, conn, self.directory, self.page_bytes)
             case m.Get():
                 return self._get(msg, conn)
             case m.PutStaged():

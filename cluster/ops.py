@@ -13,9 +13,11 @@ import ray  # noqa: E402
 
 from kvpool.cluster.bootstrap import down, up  # noqa: E402
 from kvpool.cluster.controller import CONTROLLER  # noqa: E402
+from kvpool.cluster.node_caps import staging_refused  # noqa: E402
 from kvpool.cluster.shard import shard_name  # noqa: E402
 from kvpool.errors import Unavailable  # noqa: E402
 from kvpool.health import figures_from_stats  # noqa: E402
+from kvpool.private import check_private, read_private  # noqa: E402
 from kvpool.procs import processes_naming  # noqa: E402
 
 NAMESPACE = "kvpool"
@@ -40,14 +42,15 @@ def ray_token_source(env: dict | None = None) -> str | None:
     path = env.get("RAY_AUTH_TOKEN_PATH")
     if path:
         try:
-            with open(os.path.expanduser(path)) as f:
-                if f.read().strip():
-                    return path
+            if read_private(os.path.expanduser(path), "the Ray token file").strip():
+                return path
         except OSError as e:
             raise SystemExit(f"kvpool: RAY_AUTH_TOKEN_PATH={path}: cannot read the Ray token ({e.strerror})") from None
         raise SystemExit(f"kvpool: RAY_AUTH_TOKEN_PATH={path} is empty: put the cluster's Ray token in it")
     default = os.path.expanduser(RAY_TOKEN_FILE)
-    return default if os.path.isfile(default) and os.path.getsize(default) > 0 else None
+    if not (os.path.isfile(default) and os.path.getsize(default) > 0):
+        return None
+    return check_private(default, "the Ray token file") or default  # refused when others can read it
 
 
 def _need_token(where: str) -> None:
@@ -58,10 +61,11 @@ def _need_token(where: str) -> None:
 
 
 def _new_ray_token() -> str:
-    """A Ray token (256 bits, as `ray get-auth-token --generate` makes) in Ray's default file, 0600."""
+    """A Ray token (256 bits, as `ray get-auth-token --generate` makes), 0600, in the file
+    ``$RAY_AUTH_TOKEN_PATH`` names, else in Ray's default file."""
     import secrets
 
-    path = os.path.expanduser(RAY_TOKEN_FILE)
+    path = os.path.expanduser(os.environ.get("RAY_AUTH_TOKEN_PATH") or RAY_TOKEN_FILE)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -72,6 +76,13 @@ def _new_ray_token() -> str:
 def _init(address: str, hint: bool = True) -> None:
     """ray.init; a refused or missing Ray token is a message naming the fix (Ray itself retries for
     ~20 s, then says only that it could not connect)."""
+    try:  # NOTE: Ray read RAY_AUTH_MODE and the token at import: it reads them again (its own way, private)
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):
+        pass
     try:
         ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, ray.exceptions.AuthenticationError) as e:
@@ -83,7 +94,7 @@ def _init(address: str, hint: bool = True) -> None:
                          f"(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or {RAY_TOKEN_FILE})") from None
 
 
-def connect(address: str | None, start_local: bool) -> None:
+def connect(address: str | None, start_local: bool, insecure_ray: bool | None = None) -> None:
     """Connects to ``address`` (else ``$RAY_ADDRESS``: set by the user, it points kvpool at a
     cluster as --ray-address does), or to the local Ray head an earlier ``kvpool up`` started (its
     record, :func:`_head_record`, while that head still runs and answers), or (``start_local``)
@@ -91,10 +102,27 @@ def connect(address: str | None, start_local: bool) -> None:
     /tmp/ray/ray_current_cluster names the head started last on the machine: on a shared machine,
     somebody else's).
 
-    Ray token authentication: with ``RAY_AUTH_MODE=token`` every connection presents the token
-    (Ray's own sources: ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``) and a
-    local head starts with it (a token is made in ``~/.ray/auth_token`` when there is none)."""
+    Ray token authentication is on by default: every connection presents the token (Ray's own
+    sources: ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``, 0600) and a local
+    head starts with it (a token is made in ``~/.ray/auth_token`` when there is none). Without it
+    any local user could read the actor table and call any actor: `kvpool up` places the pool on
+    such a Ray only with ``insecure_ray`` (``--insecure-ray``), loudly; the commands that only act
+    on a pool already up (``insecure_ray`` None) follow ``RAY_AUTH_MODE=disabled`` with a warning."""
     mode = ray_auth_mode()
+    if insecure_ray is None:
+        insecure_ray = mode == "disabled"
+    if mode == "disabled" and not insecure_ray:
+        raise SystemExit("kvpool: RAY_AUTH_MODE=disabled runs Ray without token authentication: any process that "
+                         "reaches its ports (any local user) can call the pool's actors. Unset it (kvpool uses Ray's "
+                         "token), or pass --insecure-ray to run so anyway")
+    running, recorded_mode = _recorded_head()
+    if insecure_ray or (not address and running and recorded_mode == "disabled"):
+        print("kvpool: WARNING: Ray without token authentication (--insecure-ray): any process that reaches "
+              "its ports can act as the pool", file=sys.stderr)
+        mode = "disabled"
+    else:
+        mode = "token"
+    os.environ["RAY_AUTH_MODE"] = mode
     if not address and os.environ.get("RAY_ADDRESS", "").strip():
         address = os.environ["RAY_ADDRESS"].strip()
         print(f"kvpool: using the Ray cluster at {address} ($RAY_ADDRESS; unset it to use this machine's own "
@@ -104,13 +132,6 @@ def connect(address: str | None, start_local: bool) -> None:
             _need_token(address)
         _init(address)
         return
-    if not mode:
-        # NOTE: unasked, a local pool's Ray binds to the loopback address only and runs without
-        # Ray's token auth: otherwise a token left in ~/.ray by any earlier local Ray makes the
-        # head and its clients disagree (seen here: InvalidAuthToken). A cluster given by
-        # --ray-address keeps its own setting.
-        os.environ["RAY_AUTH_MODE"] = "disabled"
-    running = _recorded_head()
     if running:
         if mode == "token":
             _need_token(running)
@@ -120,12 +141,14 @@ def connect(address: str | None, start_local: bool) -> None:
         raise SystemExit("kvpool: no Ray cluster started by `kvpool up` is running here (another Ray on this "
                          "machine is never joined unasked); start one with `kvpool up`, or pass --ray-address")
     if mode == "token":
-        where = ray_token_source() or f"{_new_ray_token()} (new)"
+        unmade = os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.path.exists(
+            os.path.expanduser(os.environ["RAY_AUTH_TOKEN_PATH"]))
+        where = (None if unmade else ray_token_source()) or f"{_new_ray_token()} (new)"
         print(f"kvpool: starting a local Ray head on 127.0.0.1 with Ray token authentication (token: {where})",
               file=sys.stderr)
     else:
-        print("kvpool: starting a local Ray head on 127.0.0.1 only, without Ray token authentication "
-              "(set RAY_AUTH_MODE=token to turn it on)", file=sys.stderr)
+        print("kvpool: starting a local Ray head on 127.0.0.1 only, WITHOUT Ray token authentication",
+              file=sys.stderr)
     import socket
 
     with socket.socket() as s:  # NOTE: Ray's default port is Redis's 6379, taken on these machines
@@ -142,7 +165,7 @@ def connect(address: str | None, start_local: bool) -> None:
     for attempt in range(4):  # a loaded machine can take a while to bring the head's GCS up
         try:
             _init(f"127.0.0.1:{port}", hint=attempt == 3)
-            _remember_head(f"127.0.0.1:{port}")
+            _remember_head(f"127.0.0.1:{port}", mode)
             return
         except ConnectionError:
             time.sleep(2.0 * (attempt + 1))
@@ -152,7 +175,7 @@ def _head_record() -> str:
     return os.path.expanduser(os.environ.get("KVPOOL_LOCAL_RAY_RECORD", os.path.join("~", ".kvpool", "local-ray.json")))
 
 
-def _remember_head(address: str) -> None:
+def _remember_head(address: str, mode: str) -> None:
     """Records the Ray head `kvpool up` started (its address and session directory,
     which every process of that head names), so that `kvpool down --stop-ray` stops it and no other."""
     import json
@@ -164,7 +187,7 @@ def _remember_head(address: str) -> None:
     path = _head_record()
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"address": address, "session_dir": session}, f)
+        json.dump({"address": address, "session_dir": session, "ray_auth_mode": mode}, f)
 
 
 def stop_started_ray(grace_s: float = 15.0) -> int:
@@ -213,10 +236,11 @@ def _session_processes(session: str) -> list[int]:
     return processes_naming(session)
 
 
-def _recorded_head() -> str | None:
-    """The address of the local Ray head `kvpool up` started (its record), if that head still runs
-    (processes of its session) and answers (a stale record would otherwise make ray.init wait for
-    minutes, and a dead head's port may be somebody else's Ray by now)."""
+def _recorded_head() -> tuple[str | None, str]:
+    """(the address of the local Ray head `kvpool up` started (its record), if that head still runs
+    (processes of its session) and answers; the Ray auth mode it started with). A stale record
+    would otherwise make ray.init wait for minutes, and a dead head's port may be somebody else's
+    Ray by now."""
     import json
     import socket
 
@@ -226,22 +250,37 @@ def _recorded_head() -> str | None:
         addr, session = rec["address"], rec["session_dir"]
         host, port = addr.rsplit(":", 1)
         if not _session_processes(session):
-            return None
+            return None, ""
         with socket.create_connection((host, int(port)), timeout=1.0):
-            return addr
+            return addr, rec.get("ray_auth_mode", "disabled")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, ""
+
+
+def secret_path(secret_file: str | None, where: str) -> str | None:
+    """The file the pool secret came from (kvpool.auth_cli.find_secret's ``where``), None when it
+    came from ``$KVPOOL_SECRET``: the pool's actors read that file, on every node."""
+    from kvpool.auth import SECRET_FILE_ENV
+
+    if where == "$KVPOOL_SECRET":
         return None
+    path = secret_file or os.environ.get(SECRET_FILE_ENV) or where.split(" (")[0]
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[dict],
-           secret_file: str | None = None) -> dict:
+           secret_file: str | None = None, insecure_ray: bool = False, insecure_redis: bool = False) -> dict:
     """Starts the pool, secured by the pool secret (kvpool.auth_cli.find_secret: --secret-file,
     $KVPOOL_SECRET_FILE, $KVPOOL_SECRET, or ~/.kvpool/secret, made when missing)."""
     from kvpool.auth_cli import find_secret
 
     secret, where = find_secret(secret_file, create=True)  # before Ray: a bad secret file fails fast
-    connect(address, start_local=True)
-    state = up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE, secret=secret)
+    if redis:  # an open Redis is refused before Ray starts (kvpool.index.redis_acl)
+        from kvpool.index.redis_acl import check_locked
+        check_locked(redis, insecure_redis)
+    connect(address, start_local=True, insecure_ray=insecure_ray)
+    state = up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE, secret=secret,
+               secret_file=secret_path(secret_file, where))
     return {**state, "secret_from": where}
 
 
@@ -326,6 +365,8 @@ def format_stats(st: dict) -> str:
         tenants = ", ".join(f"{k} {v['bytes'] / 2**20:.1f} MiB" for k, v in s["tenants"].items() if v["bytes"])
         if tenants:
             lines.append(f"{'':<20}tenants: {tenants}")
+        if refused := staging_refused(s.get("staging")):
+            lines.append(f"{'':<20}{refused}")
     if st.get("engines"):
         lines += ["(hit rate: reads through the shard; its node's engines read their hits from shared memory, "
                   "counted below)", "", "engines (measured by their connectors: load or recompute):"]

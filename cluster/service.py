@@ -23,6 +23,7 @@ import time
 
 from kvpool.auth import Principal, scope_tag, scoped
 from kvpool.cluster.locations import Locations
+from kvpool.cluster.node_caps import EngineNames
 from kvpool.cluster.peers import StreamTransport
 from kvpool.cluster.placement import Placement
 from kvpool.cluster.publisher import Publisher
@@ -58,6 +59,7 @@ class ShardService:
         self.locations = Locations()
         self.links = StreamTransport(auth.pool_credential())  # the peer transport (cluster/peers.py)
         self.writes = Writes(self)
+        self.engines = EngineNames()  # the engines reporting through this shard, per tenant
 
     # ---------------------------------------------------------------- who and where
     def who(self, credential: str) -> Principal:
@@ -175,7 +177,7 @@ class ShardService:
         buf = self.store.slab("dram").buf
         payloads = [buf[pl.offset: pl.offset + pl.nbytes] for pl in places if pl is not None]
         sums = [int(pl.checksum) for pl in places if pl is not None]
-        return {"checksums": sums}, payloads, lambda: self.store.release(hold, [])
+        return {"checksums": sums}, payloads, lambda: self.store.release(hold)
 
     def verify(self, msg: m.Verify) -> int:
         """Chunks an engine found corrupt here: each read and checked again by the store, which
@@ -296,7 +298,11 @@ class ShardService:
         return self.store.pin(addresses_of(p, msg.keys, msg.shared), p.tenant)
 
     def report(self, msg: m.Report) -> None:
-        self.members.report(msg.name, dict(msg.figures))
+        """An engine's figures to the controller, only with a credential of this pool (any: the
+        engine's), shown with its tenant; a tenant's engines on this shard are capped (429)."""
+        p = self.auth.verify(msg.credential)
+        self.engines.admit(p.tenant, msg.name, msg.figures)
+        self.members.report(msg.name, {**msg.figures, "tenant": p.tenant})
 
     def free_pages(self) -> int:
         """Of this shard's DRAM tier (placement: a node without room spills to one with room)."""

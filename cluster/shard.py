@@ -129,7 +129,7 @@ class ShardActor(Drills):
                 if beats % RECONCILE_EVERY == 0 and not self.fenced:
                     # Republishes what it holds and the index forgot (a replica whose primary died
                     # and was purged), and drops index entries it no longer backs.
-                    self.reconcile()
+                    self.reconcile(self.auth.pool_credential())
                 try:
                     self.index.heartbeat(self.shard_id, self.ttl_s)
                     self.fenced = False
@@ -165,17 +165,23 @@ class ShardActor(Drills):
             return
         self.fenced = False
         self._join()
-        log.warning("shard %s: rejoined the index, republished %s", self.shard_id, self.reconcile())
+        log.warning("shard %s: rejoined the index, republished %s", self.shard_id,
+                    self.reconcile(self.auth.pool_credential()))
 
-    def info(self) -> dict:
+    def info(self, challenge: str = "") -> dict:
+        """What the controller registers; ``proof`` answers its ``challenge`` with the pool secret
+        (kvpool.auth.Authority.prove): an actor that merely took a shard's name cannot."""
         st = self.store
-        return {"shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
+        return {"proof": self.auth.prove("shard", self.shard_id, self.incarnation, challenge),
+                "shard": self.shard_id, "node_id": self.node_id, "slab": st.slab("dram").path,
                 "page_bytes": st.page_bytes, "dram_pages": st.config.dram_pages, "disk_pages": st.config.disk_pages,
                 "incarnation": self.incarnation, "peer": self.node.peer_address}
 
-    def reconcile(self) -> dict:
+    def reconcile(self, credential: str = "") -> dict:
         """Makes the index list what this shard holds. What the index refuses (a tenant over its
-        quota) is dropped here: bytes it will never list would hold the tenant's pages."""
+        quota) is dropped here: bytes it will never list would hold the tenant's pages. The pool's
+        own processes and operators only."""
+        self.auth.require(credential, "reconciling a shard with the index")
         r = self.index.reconcile(self.shard_id, self.store.index_entries(self.shard_id))
         by_tenant: dict[str, list[ChunkKey]] = {}
         for e in r.refused:
@@ -201,6 +207,7 @@ class ShardActor(Drills):
         st["reconcile_refused"] = self.refused
         st["fenced"] = self.fenced
         st["node_socket"] = self.node.info["socket"] if getattr(self, "node", None) else None
+        st["staging"] = self.service.writes.room.stats()  # engines' staging files here; those refused
         return st
 
     def node_stats(self) -> dict:

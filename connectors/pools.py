@@ -191,7 +191,7 @@ def pool_authority(config: dict[str, Any]) -> Authority:
     auth = Authority.from_env({SECRET_FILE_ENV: path} if path else None)
     with _lock:
         known = _local_auth.setdefault(cfg["pool"], auth)
-    if known.secret_env() != auth.secret_env():
+    if not known.same_secret(auth):
         raise BadRequest(f"local pool {cfg['pool']!r} is already open {'with another' if known.secured else 'without a'}"
                          " pool secret in this process: give every connector of it the same secret_file")
     return known

@@ -143,9 +143,10 @@ class Authority:
         env = os.environ if env is None else env
         path = env.get(SECRET_FILE_ENV)
         if path:
+            from kvpool.private import read_private
+
             try:
-                with open(path, "rb") as f:
-                    return cls(f.read().strip())
+                return cls(read_private(path, "the pool secret", binary=True).strip())
             except OSError as e:
                 raise BadRequest(f"{SECRET_FILE_ENV}={path}: cannot read the pool secret ({e.strerror})") from None
         return cls(env.get(SECRET_ENV) or None)
@@ -154,9 +155,37 @@ class Authority:
     def secured(self) -> bool:
         return self._secret is not None
 
-    def secret_env(self) -> dict[str, str]:
-        """The environment that gives a pool process (shard, controller) this secret."""
-        return {SECRET_ENV: self._secret.decode()} if self._secret is not None else {}
+    def prove(self, *parts: str) -> str:
+        """A proof that the caller holds the pool secret, bound to ``parts`` (a shard answering a
+        controller's challenge: an actor under a shard's name without the secret cannot make it)."""
+        return _hmac(self._secret, "kvpool/proof", *parts).hex() if self._secret is not None else ""
+
+    def proven(self, proof: object, *parts: str) -> bool:
+        return self._secret is None or (isinstance(proof, str) and hmac.compare_digest(proof, self.prove(*parts)))
+
+    def same_secret(self, other: "Authority") -> bool:
+        return hmac.compare_digest(self._secret or b"", other._secret or b"") and self.secured == other.secured
+
+    def secret_file_env(self, path: str | None = None) -> dict[str, str]:
+        """The environment that tells a pool process (shard, controller) where to read this secret:
+        a file's path, never the secret (Ray keeps an actor's environment in its actor table).
+        ``path``: a file every node has (a mounted Secret); else a private copy (0600 in a 0700
+        folder under ``~/.kvpool``, named by the secret's hash) that the processes of a pool on
+        this machine read."""
+        if self._secret is None:
+            return {}
+        if path is None:
+            folder = os.path.expanduser(os.path.join("~", ".kvpool", "pool-secrets"))
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            os.chmod(folder, 0o700)
+            path = os.path.join(folder, hashlib.sha256(self._secret).hexdigest()[:24])
+            if not os.path.exists(path):
+                tmp = f"{path}.{os.getpid()}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(self._secret)
+                os.replace(tmp, path)
+        return {SECRET_FILE_ENV: os.path.abspath(path)}
 
     # ------------------------------------------------------------------ issuing
     def _ns(self, tenant: str) -> bytes:

@@ -52,6 +52,34 @@ def _index_from(args: argparse.Namespace):
     return open_index(url)
 
 
+_OPERATOR_FIX = "issue one with `kvpool auth issue NAME --role operator` and pass it (--credential or $KVPOOL_CREDENTIAL)"
+
+
+def _operator(args: argparse.Namespace) -> None:
+    """``kvpool tenants`` acts only for an operator, on every backend: the credential presented
+    (--credential, $KVPOOL_CREDENTIAL, else the pool's own from the pool secret) is verified with
+    the pool secret (found as kvpool.auth_cli.find_secret) before the index is touched."""
+    from kvpool import auth
+    from kvpool.auth_cli import find_secret
+    from kvpool.errors import Forbidden, Unauthorized
+
+    what = f"kvpool tenants {args.action}"
+    try:
+        secret, _ = find_secret(args.secret_file)
+    except BadRequest as e:
+        raise Unauthorized(f"{what} needs an operator credential, verified with the pool secret, and found {e.message}; "
+                           "run it where the pool secret is (the operator's machine, the chart's Job) with an operator "
+                           "credential (`kvpool auth issue NAME --role operator`) or none (the pool's own is used)") from None
+    authority = auth.Authority(secret)
+    credential = args.credential or os.environ.get(auth.CREDENTIAL_ENV) or authority.pool_credential()
+    try:
+        authority.require(credential, what)
+    except Forbidden as e:
+        raise Forbidden(f"{e.message}: {_OPERATOR_FIX}") from None
+    except Unauthorized as e:
+        raise Unauthorized(f"{what}: {e.message}; it needs an operator credential of this pool: {_OPERATOR_FIX}") from None
+
+
 def _tenants(args: argparse.Namespace) -> int:
     from kvpool.errors import UnknownTenant
 
@@ -59,6 +87,7 @@ def _tenants(args: argparse.Namespace) -> int:
     if args.action == "list":
         if args.args:
             raise SystemExit("usage: kvpool tenants list [--json]")
+        _operator(args)
         rows = idx.tenants()
         if args.json:
             emit([{"tenant": t.id, "usage": t.usage, "quota": t.quota, "priority": t.priority} for t in rows], indent=None)
@@ -69,6 +98,7 @@ def _tenants(args: argparse.Namespace) -> int:
     elif args.action == "usage":
         if len(args.args) != 1:
             raise SystemExit("usage: kvpool tenants usage TENANT")
+        _operator(args)
         print(idx.usage(args.args[0]))
     elif args.action == "set-quota":
         if len(args.args) != 2:
@@ -80,6 +110,7 @@ def _tenants(args: argparse.Namespace) -> int:
         if size > UNLIMITED:  # NOTE: refused, never capped silently
             raise BadRequest(f"quota {args.args[1]} is over the largest one, 2**62 B ({UNLIMITED} B: unlimited)")
         size = check_quota(size)
+        _operator(args)
         try:
             idx.set_quota(tenant, size)
         except UnknownTenant as e:  # NOTE: never created here: a typo would make a tenant nobody serves
@@ -90,6 +121,7 @@ def _tenants(args: argparse.Namespace) -> int:
     elif args.action == "set-priority":
         if len(args.args) != 2:
             raise SystemExit("usage: kvpool tenants set-priority TENANT low|normal|high")
+        _operator(args)
         idx.set_priority(args.args[0], args.args[1])
         print(f"{args.args[0]}: priority {args.args[1]}")
     return 0
@@ -121,7 +153,8 @@ def _up(args: argparse.Namespace) -> int:
     tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
     from kvpool.cluster import ops
 
-    state = ops.cmd_up(args.ray_address, args.redis, store, tenants, secret_file=args.secret_file)
+    state = ops.cmd_up(args.ray_address, args.redis, store, tenants, secret_file=args.secret_file,
+                       insecure_ray=args.insecure_ray, insecure_redis=args.insecure_redis)
     print(f"kvpool is up: {len(state['shards'])} shards, membership version {state['version']}")
     print(f"  pool secret: {state['secret_from']} (issue credentials with `kvpool auth issue TENANT`)")
     print("\n".join(describe(store, chunk, args)))
@@ -227,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("action", choices=["list", "usage", "set-quota", "set-priority"])
     t.add_argument("args", nargs="*", help="TENANT [BYTES|CLASS]")
     t.add_argument("--redis", help="the index's URL (default: $KVPOOL_REDIS_URL)")
+    t.add_argument("--credential", help="an operator credential (default: $KVPOOL_CREDENTIAL, else the pool's own "
+                   "from the pool secret)")
+    t.add_argument("--secret-file", help="the pool secret the credential is verified with (default: as for `kvpool "
+                   "up`: $KVPOOL_SECRET_FILE, $KVPOOL_SECRET, ~/.kvpool/secret)")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_tenants)
 

@@ -27,7 +27,14 @@ def add_up_parser(sub, func) -> None:
                            "/dev/shm file,\nreserved and populated), so the default DRAM tier is a fixed "
                            f"{DEFAULT_DRAM}, not a\nshare of memory: give a serving node more, e.g. --dram 25%."))
     u.add_argument("--ray-address", help=RAY_ADDRESS_HELP.format(new=", else a new local head on 127.0.0.1"))
-    u.add_argument("--redis", help="the index's Redis URL (default: the embedded index in an actor)")
+    u.add_argument("--insecure-ray", action="store_true",
+                   help="run Ray WITHOUT its token authentication (default: on; without it any process that reaches "
+                   "Ray's ports, any local user, can act as the pool)")
+    u.add_argument("--redis", help="the index's Redis URL (default: the embedded index in an actor); a Redis that "
+                   "anyone may write without a password is refused (see --insecure-redis)")
+    u.add_argument("--insecure-redis", action="store_true",
+                   help="run on an open Redis (its default user without a password) WITHOUT refusing it, with a warning: "
+                   "anyone who reaches its port can then drop any tenant's index entries or fill its quota")
     u.add_argument("--model", metavar="PATH",
                    help="size pages to this model's stored chunk: a local Hugging Face model folder (with "
                    "config.json) or a config.json path (no weights are read)")

@@ -260,6 +260,64 @@ def test_a_shard_is_registered_only_by_the_pools_own_processes(cluster, node_poo
     assert equal(node_pool.load(ALICE, keys), kv(1, seed=16))
 
 
+def test_a_lookup_needs_the_callers_credential_even_with_leaked_keys(pool):
+    """No hit/miss oracle: a bare name or a forged credential with alice's real keys is a 401, and
+    mallory's own credential with them looks in her own scope (a miss, as on a prompt nobody sent)."""
+    keys = pool.keys(ALICE, prompt(2))
+    assert pool.save(ALICE, keys, kv(2, seed=30)) == 2
+    for who in ("alice", Authority(new_secret()).issue("alice"), ALICE[:-4] + "0000"):
+        with pytest.raises(Unauthorized):
+            pool.lookup(who, keys)
+    assert pool.lookup(MALLORY, keys) == 0
+    assert pool.lookup(ALICE, keys) > 0
+
+
+def test_shared_chunks_a_tenant_calls_corrupt_are_checked_again_not_dropped(cluster, node_pool):
+    """A tenant's report of a bad chunk (the socket's verify) drops only what fails the shard's own
+    check: shared chunks others read stay."""
+    from kvpool.node import messages as m
+
+    tokens = prompt(2)
+    published = kv(2, seed=31)
+    assert node_pool.save(OPERATOR, node_pool.keys(OPERATOR, tokens, shared=True), published, shared=True) == 2
+    for k in node_pool.keys(MALLORY, tokens, shared=True):
+        assert node_pool.client.call(m.Verify(MALLORY, [bytes(k)], True))[0] == 0
+    assert equal(node_pool.load(ALICE, node_pool.keys(ALICE, tokens, shared=True)), published)
+
+
+def test_an_actor_under_a_shards_name_is_not_adopted(cluster, node_pool):
+    """A fake shard: an entry in the index (as an attacker with write access to Redis makes) and a
+    named Ray actor that answers. The controller adopts only an actor that proves it holds the
+    pool secret, so no write is ever sent to it; after a few passes its listing is purged."""
+    import time
+
+    import ray
+
+    from kvpool.cluster.index_actor import ActorIndex
+    from kvpool.cluster.shard import shard_name
+
+    @ray.remote(num_cpus=0)
+    class Impostor:
+        def info(self, challenge=""):
+            return {"node_id": "f" * 56, "slab": None, "page_bytes": 1 << 20, "dram_pages": 64,
+                    "incarnation": "x", "peer": "127.0.0.1:9", "proof": "0" * 64}
+
+    fake = "node-impostor"
+    h = Impostor.options(name=shard_name("default", fake), namespace=cluster.namespace).remote()
+    try:
+        ray.get(h.info.remote(), timeout=30)
+        index = ActorIndex(credential=AUTH.pool_credential(), namespace=cluster.namespace)
+        index.register_shard(fake, "f" * 56, 60.0)
+        controller = cluster.controller()
+        time.sleep(4.0)  # several controller passes
+        assert fake not in ray.get(controller.state.remote(), timeout=10)["shards"]
+        keys = node_pool.keys(ALICE, prompt(3))
+        assert node_pool.save(ALICE, keys, kv(3, seed=32)) == 3
+        assert equal(node_pool.load(ALICE, keys), kv(3, seed=32))
+    finally:
+        ray.kill(h)
+
+
 def test_the_scopes_are_what_the_index_lists(cluster, node_pool):
     """The index lists addresses in the writer's scope, not the keys a prompt derives: a listing
     leaked to another tenant gives nothing its own keys could read."""

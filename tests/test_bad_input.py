@@ -379,7 +379,6 @@ bad_store_args = [
     ("sizes", lambda s, k, v: s.reserve([k[2]], [v], "a"), r"chunk size is a whole number of bytes"),
     ("ttl_s", lambda s, k, v: s.reserve([k[2]], [10], "a", ttl_s=v), r"ttl_s must be a finite number"),
     ("read ttl_s", lambda s, k, v: s.lease_reads(k, "a", ttl_s=v), r"ttl_s must be a finite number"),
-    ("corrupt", lambda s, k, v: s.release(123, corrupt=v), r"ChunkKey"),
 ]
 bad_store_values = {
     "keys": st.one_of(st.none(), st.integers(), st.lists(bad_key, min_size=1, max_size=2), st.just(make_keys(1)[0])),

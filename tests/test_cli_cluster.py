@@ -38,6 +38,55 @@ DEMO_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hi
                "dtype": "float32"}
 
 
+NO_TOKEN_PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_get(b"kvpool", None, timeout=10)
+except Exception as e:
+    print("refused", type(e).__name__, e)
+else:
+    print("answered")
+"""
+
+ACTOR_ENVS = """
+import json, sys
+import ray
+from ray.core.generated import gcs_pb2
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+accessor = ray._private.state.state._connect_and_get_accessor()
+rows = [gcs_pb2.ActorTableData.FromString(b) for b in accessor.get_actor_table(None, None)]
+print(json.dumps([{"name": r.name, "env": r.serialized_runtime_env, "all": str(r)} for r in rows]))
+"""
+
+
+def check_ray_is_locked(address: str, secret: str, tmp_path) -> None:
+    """What another local user gets of a default `kvpool up`: not the secret or the token files (as
+    `nobody`), no answer from Ray without the token; and the actors' environments Ray stores
+    (readable by every Ray client) name the secret's file, never the secret."""
+    for path in (os.environ["KVPOOL_SECRET_FILE"], os.environ["RAY_AUTH_TOKEN_PATH"]):
+        r = subprocess.run(["/bin/cat", path], capture_output=True, text=True, timeout=30,
+                           preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+        assert r.returncode != 0 and "Permission denied" in r.stderr, (path, r.stdout, r.stderr)
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "attacker"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    r = subprocess.run([sys.executable, "-c", NO_TOKEN_PROBE, address], capture_output=True, text=True, timeout=120,
+                       env={**base, "RAY_AUTH_MODE": "disabled"})
+    assert r.stdout.startswith("refused") and "auth" in r.stdout.lower(), r.stdout + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", ACTOR_ENVS, address], capture_output=True, text=True, timeout=120,
+                       env={**base, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": os.environ["RAY_AUTH_TOKEN_PATH"]})
+    assert r.returncode == 0, r.stderr[-2000:]
+    envs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert any("KVPOOL_SECRET_FILE" in json.dumps(e) for e in envs), envs  # the pool's actors are listed
+    assert secret not in r.stdout and "KVPOOL_SECRET\"" not in r.stdout
+
+
+def test_an_open_ray_is_refused_unless_asked_for(tmp_path):
+    env = {"RAY_AUTH_MODE": "disabled", "KVPOOL_LOCAL_RAY_RECORD": str(tmp_path / "none.json"),
+           "KVPOOL_SECRET_FILE": str(tmp_path / "secret")}
+    r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "4", "--secret-file", str(tmp_path / "secret"), env=env)
+    assert r.returncode != 0 and "--insecure-ray" in r.stderr and "token authentication" in r.stderr, r.stderr
+
+
 def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
     home, foreign = foreign_head
     # Somebody else's Ray runs here and Ray's own discovery names it (ray_current_cluster under
@@ -53,6 +102,10 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
     (model / "config.json").write_text(json.dumps(DEMO_CONFIG))
     secret = tmp_path / "pool-secret"
     monkeypatch.setenv("KVPOOL_SECRET_FILE", str(secret))  # every command after `kvpool up` reads it
+    # `kvpool up`'s defaults: Ray with its token (made here, 0600), not the suite's open test Rays
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    token = tmp_path / "ray-token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     try:
         # A share of memory is resolved by the shard on its node: one too small for 4 pages is refused there.
         r = kvpool("up", "--model", str(model), "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a",
@@ -61,7 +114,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
             r.stderr[-2000:]
         # The foreign Ray is not joined: `kvpool up` starts a head of its own, and records it.
         assert "starting a local Ray head" in r.stderr and json.loads(record.read_text())["address"] != foreign
-        assert "without Ray token authentication" in r.stderr  # a loopback-only local head says so
+        assert "with Ray token authentication" in r.stderr and token.stat().st_mode & 0o777 == 0o600
         assert secret.stat().st_mode & 0o777 == 0o600
         r = kvpool("up", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
                    "--policy", "tiered", "--secret-file", str(secret))
@@ -72,6 +125,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         assert "pages: 262144 B (0.25 MiB); one chunk of" in r.stdout and "0.0% of each page unused" in r.stdout
         assert "dram 16 pages (4.00 MiB)" in r.stdout, r.stdout
         assert f"pool secret: {secret}" in r.stdout
+        check_ray_is_locked(json.loads(record.read_text())["address"], secret.read_text().strip(), tmp_path)
         r = kvpool("stats", "--json")
         assert r.returncode == 0, r.stderr[-2000:]
         st = json.loads(r.stdout)
@@ -231,23 +285,23 @@ def test_only_the_recorded_head_that_still_runs_is_joined(tmp_path, monkeypatch)
 
     record = tmp_path / "local-ray.json"
     monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
-    assert ops._recorded_head() is None  # no record: no head of ours, whatever else runs here
+    assert ops._recorded_head()[0] is None  # no record: no head of ours, whatever else runs here
     session = str(tmp_path / "session_of_ours")
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         address = f"127.0.0.1:{listener.getsockname()[1]}"
         record.write_text(json.dumps({"address": address, "session_dir": session}))
-        assert ops._recorded_head() is None  # the port answers, but no process of our session runs
+        assert ops._recorded_head()[0] is None  # the port answers, but no process of our session runs
         ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--session-dir={session}"])
         try:
             # NOTE: until the child has exec'd, /proc shows the parent's command line, not the session
             deadline = time.monotonic() + 10
-            while ops._recorded_head() != address and time.monotonic() < deadline:
+            while ops._recorded_head()[0] != address and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert ops._recorded_head() == address
+            assert ops._recorded_head()[0] == address
         finally:
             ours.kill()
             ours.wait()
     record.write_text("not json")
-    assert ops._recorded_head() is None
+    assert ops._recorded_head()[0] is None

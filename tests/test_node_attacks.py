@@ -15,7 +15,7 @@ from conftest import cluster_pool, make_keys, payload
 
 from kvpool.auth import Authority, new_secret
 from kvpool.cluster.peers import StreamTransport
-from kvpool.errors import Forbidden, Unauthorized
+from kvpool.errors import Forbidden, Unauthorized, Unavailable
 from kvpool.node import messages as m
 from kvpool.node import wire
 
@@ -76,15 +76,29 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
     def get(links, credential):
         return links.fetch(peer, m.PeerGet(links.credential, credential, [bytes(keys[0])]), time.monotonic() + 5)
 
-    for who, err in ((ALICE, Forbidden), (FORGED, Unauthorized), ("", Unauthorized)):
-        links = StreamTransport(who)  # a tenant, a forger, nobody: posing as a shard
-        with pytest.raises(err):
+    refused = c.shard_stats()["peer_refused_connections"]
+    for who in (ALICE, FORGED, ""):  # a tenant, a forger, nobody, posing as a shard: hung up on unread
+        links = StreamTransport(who)
+        with pytest.raises(Unavailable):
             get(links, ALICE)
         for msg in (m.PeerPut(who, ALICE, [bytes(keys[0])]), m.PeerBegin(who, ALICE, [bytes(keys[0])]),
                     m.PeerEnd(who, ALICE, 1), m.PeerPin(who, ALICE, [bytes(keys[0])])):
-            with pytest.raises(err):
+            with pytest.raises(Unavailable):
                 links.call(peer, msg, [payload(1, PAGE)] if msg.PAYLOADS else ())
         links.close()
+    assert c.shard_stats()["peer_refused_connections"] == refused + 15
+    # the opening is checked before any header is read: a huge announced header is never allocated
+    import socket as sk
+    import struct
+
+    host, port = peer.rsplit(":", 1)
+    with sk.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(struct.pack(">I", 64 << 20) + b"x" * wire.PREAMBLE.size)
+        try:
+            assert s.recv(1) == b""  # closed
+        except ConnectionResetError:  # closed with our bytes unread
+            pass
+    assert c.shard_stats()["peer_refused_connections"] == refused + 16
     links = StreamTransport(AUTH.pool_credential())
     try:
         assert get(links, BOB) == []  # bob's scope: nothing
@@ -119,6 +133,8 @@ def test_announced_bytes_are_refused_on_the_credential_and_never_kept(pool):
     for address, msg, err in ((at["socket"], m.Put("alice", key), Unauthorized),
                               (at["peer"], m.PeerPut(ALICE, ALICE, key), Forbidden)):
         s = dial(address)
+        if address == at["peer"]:  # the pool's opening: what follows is a request of the pool's own
+            s.sendall(wire.preamble(AUTH.pool_credential()))
         ch = wire.Channel(s)
         for _ in range(2):  # refused, and the stream still in step for the next request
             ch.send([msg.OP, m.WIRE_VERSION, msg.encode(), 5.0, [PAGE]], [np.ones(PAGE, np.uint8)],

@@ -91,9 +91,10 @@ class NodePool:
             raise RuntimeError(f"ray start failed:\n{(r.stdout + r.stderr)[-3000:]}")
         log(f"kvpool up (index {self.index}, {self.dram_pages} pages of {self.page_bytes >> 20} MiB)", self.progress)
         cmd = [pool_bin("kvpool"), "up", "--ray-address", self.address, "--page-size", str(self.page_bytes),
-               "--dram-pages", str(self.dram_pages), "--tenant", TENANT, "--secret-file", self.secret_file]
+               "--dram-pages", str(self.dram_pages), "--tenant", TENANT, "--secret-file", self.secret_file,
+               "--insecure-ray"]  # its own loopback head, started without Ray's token
         if self.redis is not None:
-            cmd += ["--redis", self.index]
+            cmd += ["--redis", self.index, "--insecure-redis"]  # its own loopback redis-server, without ACL users
         r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=240, start_new_session=True)
         if r.returncode:
             raise RuntimeError(f"kvpool up failed:\n{(r.stdout + r.stderr)[-3000:]}")

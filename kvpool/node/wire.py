@@ -15,6 +15,9 @@ connection that failed mid-frame is in an unknown state and is closed by its own
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
 import struct
 import time
@@ -27,6 +30,9 @@ from kvpool.errors import BadRequest, KvPoolError, Unavailable
 from kvpool.node import messages
 
 MAX_HEADER = 1 << 20  # a header this large is a bug or an attack (2048 keys take 40 KiB)
+PREAMBLE = struct.Struct(">4sd16s32s")  # magic, time, nonce, HMAC: what a peer sends before any frame
+PREAMBLE_MAGIC = b"KVP3"
+PREAMBLE_SKEW_S = 120.0
 MAX_PAYLOAD = 1 << 36
 _LEN = struct.Struct(">I")
 
@@ -50,6 +56,27 @@ def send(sock: socket.socket, header: object, payloads: Sequence[np.ndarray] = (
     for p in payloads:
         sock.settimeout(_left(deadline))
         sock.sendall(memoryview(p).cast("B"))
+
+
+def preamble(key: str, now: float | None = None) -> bytes:
+    """The fixed-size opening a shard sends on another shard's peer port: proof that it holds the
+    pool's credential (``key``), so the port reads no header from anyone else."""
+    now = time.time() if now is None else now
+    nonce = os.urandom(16)
+    mac = hmac.new(key.encode(), PREAMBLE_MAGIC + struct.pack(">d", now) + nonce, hashlib.sha256).digest()
+    return PREAMBLE.pack(PREAMBLE_MAGIC, now, nonce, mac)
+
+
+def check_preamble(data: bytes, key: str) -> bool:
+    """Whether ``data`` (PREAMBLE.size bytes) is a fresh opening made with ``key``."""
+    magic, at, nonce, mac = PREAMBLE.unpack(data)
+    want = hmac.new(key.encode(), PREAMBLE_MAGIC + struct.pack(">d", at) + nonce, hashlib.sha256).digest()
+    return magic == PREAMBLE_MAGIC and abs(time.time() - at) <= PREAMBLE_SKEW_S and hmac.compare_digest(mac, want)
+
+
+def send_raw(sock: socket.socket, data: bytes, *, deadline: float) -> None:
+    sock.settimeout(_left(deadline))
+    sock.sendall(data)
 
 
 class Channel:

@@ -187,18 +187,12 @@ class HoldsMixin:
                 m.misses_chunks.inc(1 if leading else len(keys) - len(found), tenant)
         return hid, out
 
-    def release(self, hold_id: int, corrupt: Sequence[ChunkKey] = ()) -> None:
-        """Ends a read lease; ``corrupt`` names chunks whose bytes failed the reader's check (they
-        are dropped, as a local read would)."""
-        bad = set(as_keys(corrupt))
+    def release(self, hold_id: int) -> None:
+        """Ends a read lease. (A reader that found a chunk corrupt says so with the shard's verify,
+        which reads and checks it again: a reader's word alone drops nothing.)"""
         with self._lock:
-            hold = self._holds.get(hold_id)
-            if hold is None:
-                return
-            for node in hold.nodes:
-                if self._cache.node_key[node] in bad:
-                    self._corrupt(node)
-            self._end_hold(hold_id)
+            if hold_id in self._holds:
+                self._end_hold(hold_id)
 
     def expire_holds(self, now: float | None = None) -> int:
         """Ends holds whose owner never came back (a client that died); the shard calls this."""

@@ -73,6 +73,7 @@ class Pool:
         self.ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
         self.secret_file = workdir / "pool-secret"
         self.secret_file.write_text(POOL_SECRET)
+        self.secret_file.chmod(0o600)
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVPOOL_SECRET", "RAY_ADDRESS"))},
                     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                     "KVPOOL_RUN_DIR": self.run_dir, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -107,8 +108,9 @@ class Pool:
         out, _ = self.head.communicate(timeout=120)
         assert self.head.returncode == 0, out[-3000:]
         r = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "up", "--ray-address", self.address,
-                            "--redis", f"redis://127.0.0.1:{self.redis_port}", "--page-size", str(256 << 10),
-                            "--dram-pages", "64", "--tenant", "default", "--secret-file", str(self.secret_file)],
+                            "--redis", f"redis://127.0.0.1:{self.redis_port}", "--insecure-redis", "--page-size", str(256 << 10),
+                            "--dram-pages", "64", "--tenant", "default", "--secret-file", str(self.secret_file),
+                            "--insecure-ray"],
                            env=self.env, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
