@@ -144,6 +144,7 @@ def test_kvpool_connect_sglang_builds_kvpools_backend_through_sglangs_factory(tm
 
     secret = "s" * 64
     (tmp_path / "secret").write_text(secret)
+    (tmp_path / "secret").chmod(0o600)  # a secret others can read is refused
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_SECRET")} | {"HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "kvpool.cli", "connect", "sglang", "--secret-file",
                         str(tmp_path / "secret"), "--chunk-tokens", "64"], capture_output=True, text=True,
