@@ -11,6 +11,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray  # noqa: E402
 
+from kvpool.cluster import ray_open  # noqa: E402
 from kvpool.cluster.bootstrap import down, up  # noqa: E402
 from kvpool.cluster.controller import CONTROLLER  # noqa: E402
 from kvpool.cluster.node_caps import staging_refused  # noqa: E402
@@ -108,7 +109,7 @@ def connect(address: str | None, start_local: bool, insecure_ray: bool | None = 
     any local user could read the actor table and call any actor: `kvpool up` places the pool on
     such a Ray only with ``insecure_ray`` (``--insecure-ray``), loudly; the commands that only act
     on a pool already up (``insecure_ray`` None) follow ``RAY_AUTH_MODE=disabled`` with a warning."""
-    mode = ray_auth_mode()
+    mode, placing = ray_auth_mode(), insecure_ray is False  # placing: `kvpool up`, on the cluster it names
     if insecure_ray is None:
         insecure_ray = mode == "disabled"
     if mode == "disabled" and not insecure_ray:
@@ -130,6 +131,9 @@ def connect(address: str | None, start_local: bool, insecure_ray: bool | None = 
     if address:
         if mode == "token":
             _need_token(address)
+            if placing and ray_open.answers_without_token(address):  # a token is presented to any Ray
+                raise SystemExit(f"kvpool: the Ray cluster at {address} answers clients without a token: start it "
+                                 "with RAY_AUTH_MODE=token (and its token), or pass --insecure-ray to run so anyway")
         _init(address)
         return
     if running:

@@ -80,11 +80,78 @@ def check_ray_is_locked(address: str, secret: str, tmp_path) -> None:
     assert secret not in r.stdout and "KVPOOL_SECRET\"" not in r.stdout
 
 
+# Run as `nobody` by the system's Python (stdlib only: the suite's virtualenv is under a 0700 home).
+OTHER_USER = r"""
+import json, os, socket, struct, sys, time
+files, sock_path, peer, pid = json.loads(sys.argv[1])
+out = {}
+for p in files + [f"/proc/{pid}/environ", f"/proc/{pid}/mem"]:
+    try:
+        with open(p, "rb") as f:
+            out[p] = "read %d bytes" % len(f.read(1 << 20))
+    except OSError as e:
+        out[p] = e.__class__.__name__
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sock_path)
+    out["socket"] = "connected"
+except OSError as e:
+    out["socket"] = e.__class__.__name__
+host, port = peer.rsplit(":", 1)
+with socket.create_connection((host, int(port)), timeout=10) as c:
+    # an opening of the right size and shape without the pool's secret, then a request
+    c.sendall(b"KVP3" + struct.pack(">d", time.time()) + os.urandom(48) + b"\x00\x00\x00\x10" + b"x" * 16)
+    c.settimeout(10)
+    try:
+        out["peer"] = "answered %r" % c.recv(4096)[:40]
+    except OSError as e:
+        out["peer"] = e.__class__.__name__
+print(json.dumps(out))
+"""
+
+
+def check_no_other_user_reads_a_chunk(run_dir: str) -> None:
+    """Another Unix user (``nobody``) on the machine of a default `kvpool up` holding chunks: every
+    file of the shard (slab, page table, node file) and its process's memory and environment are
+    denied; its socket refuses the connection; its peer port hangs up on an opening without the
+    pool's secret and answers nothing."""
+    node_file = max((os.path.join(run_dir, f) for f in os.listdir(run_dir)
+                     if f.startswith("kvpool-") and f.endswith(".node")), key=os.path.getmtime)  # the pool just up
+    info = json.loads(open(node_file).read())
+    files = [node_file, info["table"], info["slab"]]
+    assert all(os.path.isfile(f) for f in files) and os.path.getsize(info["slab"]) > 0, files
+    r = subprocess.run(["/usr/bin/python3", "-I", "-c", OTHER_USER,
+                        json.dumps([files, info["socket"], info["peer"], info["pid"]])],
+                       capture_output=True, text=True, timeout=60, cwd="/",
+                       preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert all(v == "PermissionError" for k, v in got.items() if k not in ("peer",)), got
+    assert got["peer"] in ("answered b''", "ConnectionResetError"), got  # closed unanswered
+
+
 def test_an_open_ray_is_refused_unless_asked_for(tmp_path):
     env = {"RAY_AUTH_MODE": "disabled", "KVPOOL_LOCAL_RAY_RECORD": str(tmp_path / "none.json"),
            "KVPOOL_SECRET_FILE": str(tmp_path / "secret")}
     r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "4", "--secret-file", str(tmp_path / "secret"), env=env)
     assert r.returncode != 0 and "--insecure-ray" in r.stderr and "token authentication" in r.stderr, r.stderr
+
+
+def test_an_open_remote_ray_is_refused_though_kvpool_holds_a_token(tmp_path, foreign_head):
+    """A client with a token connects to a Ray without token authentication without a word from
+    Ray: `kvpool up --ray-address` asks the cluster as a tokenless client first, and refuses one
+    that answers, unless --insecure-ray."""
+    _, address = foreign_head
+    token = tmp_path / "ray-token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {"HOME": str(tmp_path), "RAY_AUTH_MODE": "", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_TOKEN": "",
+           "KVPOOL_SECRET_FILE": "", "KVPOOL_SECRET": ""}
+    r = kvpool("up", "--ray-address", address, "--page-size", "256KiB", "--dram-pages", "4",
+               "--secret-file", str(tmp_path / "secret"), env=env)
+    assert r.returncode != 0 and "answers clients without a token" in r.stderr and "--insecure-ray" in r.stderr, \
+        r.stderr[-2000:]
+    assert "kvpool is up" not in r.stdout
 
 
 def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
@@ -141,6 +208,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         w = json.loads(r.stdout)
         # the tiered policy pins at most 20% of the shard's 16 pages: 3 of the 4 chunks
         assert w == {"prefixes": 2, "skipped": 0, "stored_chunks": 4, "pinned_chunks": 3}
+        check_no_other_user_reads_a_chunk("/dev/shm")
         st = json.loads(kvpool("stats", "--json").stdout)
         (shard,) = st["shards"].values()
         assert shard["chunks"] == 4 and shard["policy_stats"]["pinned"] == 3

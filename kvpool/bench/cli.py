@@ -170,6 +170,20 @@ def _bench_auth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_secure(args: argparse.Namespace) -> int:
+    from kvpool.cluster.bench import secure
+
+    try:
+        result = secure.run(rounds=args.rounds, steps=args.steps, index=args.index, control=args.control,
+                            progress=not args.json)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    _show(args, result, secure.format_table)
+    for w in secure.failures(result):
+        print(f"bench secure: FAILED: {w}", file=sys.stderr)
+    return 1 if secure.failures(result) else 0
+
+
 def _bench_weights(args: argparse.Namespace) -> int:
     from kvpool.connectors.bench import weights as bench_weights
 
@@ -327,6 +341,17 @@ def add_bench_parser(sub) -> None:
     ba.add_argument("--calls", type=int, default=400, help="calls per figure (a quarter for 32 MiB chunks)")
     ba.add_argument("--json", action="store_true")
     ba.set_defaults(func=_bench_auth)
+    bs = bsub.add_parser("secure", help="a pool locked by default (Ray token, pool secret) vs an open one, side by "
+                         "side: put, same-node get and lookups through the node's shard")
+    bs.add_argument("--rounds", type=int, default=3)
+    bs.add_argument("--steps", type=int, default=300, help="operations of each kind per round and pool")
+    bs.add_argument("--index", choices=["actor", "redis"], default="actor",
+                    help="the pools' index: their own Ray actor (kvpool up's default) or a redis-server each "
+                    "(the secured one with kvpool's ACL users, as kvpool up --redis)")
+    bs.add_argument("--json", action="store_true")
+    bs.add_argument("--control", action="store_true", help="both pools open: the harness's own noise between "
+                    "two equal pools")
+    bs.set_defaults(func=_bench_secure)
     bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")
     bl.add_argument("--context", type=int, default=8192)
     bl.add_argument("--rounds", type=int, default=3)
