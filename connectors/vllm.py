@@ -53,7 +53,7 @@ from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
 from kvpool.connectors.pools import PoolHealth, Reporter, open_pool, spec_for
 from kvpool.connectors.tenancy import Tenancy
-from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, split_config
+from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of, split_config
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.connectors.weights import weights_of_folder
 from kvpool.errors import BadRequest
@@ -70,11 +70,13 @@ log = logging.getLogger("kvpool.connectors.vllm")
 __all__ = ["KVPoolConnector", "kv_transfer_config"]
 
 
-def kv_transfer_config(**pool_config: Any) -> dict[str, Any]:
+def kv_transfer_config(kv_role: str = "kv_both", **pool_config: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that selects this connector with ``pool_config``."""
     split_config(pool_config)  # fail here, not inside the engine
+    role_of(kv_role)
     return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
+            "kv_role": kv_role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
+
 
 
 # Families vLLM's CPU build does not prefill reproducibly (its *own* prefix-cache hits change the
@@ -96,7 +98,8 @@ class _Plan:
 
 
 class KVPoolConnector(KVConnectorBase_V1):
-    """The kvpool as vLLM's external prefix cache (``kv_role`` ``kv_both``)."""
+    """The kvpool as vLLM's external prefix cache (``kv_role`` ``kv_both``), or one side of
+    prefill/decode disaggregation through the pool (``kv_producer``, ``kv_consumer``)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -104,6 +107,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         xfer = self._kv_transfer_config
         pool_config, own = split_config(xfer.kv_connector_extra_config)
+        self.loads, self.saves = role_of(xfer.kv_role)
         self.tenancy = (Tenancy(pool_config, fallback="default", engine="KVPoolConnector")
                         if role == KVConnectorRole.SCHEDULER else None)  # the worker takes the scheduler's routes
         self.tenant = pool_config.get("tenant", "default")
@@ -139,7 +143,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._plans: dict[str, _Plan] = {}
         self.reporter = (Reporter(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.figures)
                          if role == KVConnectorRole.SCHEDULER else None)
-        self.worker = (PoolWorker(self.pool, self.spec, self.block_size, vllm_config)
+        self.worker = (PoolWorker(self.pool, self.spec, self.block_size, vllm_config, saves=self.saves)
                        if role == KVConnectorRole.WORKER else None)
 
     @staticmethod
@@ -253,10 +257,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("KVPoolConnector: lookup failed (%s): recomputing", e)
             self._count("lookup_errors")
             hit = 0
-        plan.pool_chunks = hit // self.chunk_tokens
+        plan.pool_chunks = hit // self.chunk_tokens  # a producer saves only what the pool lacks
         ext = min(hit, plan.prompt_len - 1) - num_computed_tokens
         plan.declined = False
-        if ext <= 0:
+        if ext <= 0 or not self.loads:
             return 0, False
         shortest = self.breakeven.min_tokens(self.bytes_per_token)
         if ext < self.load_min_tokens or (shortest is not None and ext < shortest):

@@ -94,5 +94,16 @@ def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str
     return extra, own
 
 
+ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}  # (loads, saves)
+
+
+def role_of(kv_role: object) -> tuple[bool, bool]:
+    """(loads, saves) of a ``kv_role``: ``kv_both``; ``kv_producer`` (a prefill instance: saves, never
+    loads); ``kv_consumer`` (a decode instance: loads, never saves)."""
+    if kv_role not in ROLES:
+        raise BadRequest(f"KVPoolConnector: kv_role {kv_role!r} is not one of {sorted(ROLES)}")
+    return ROLES[kv_role]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

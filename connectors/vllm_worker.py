@@ -49,8 +49,9 @@ class _Req:
 
 
 class PoolWorker:
-    def __init__(self, pool, spec, block_size: int, vllm_config=None) -> None:
+    def __init__(self, pool, spec, block_size: int, vllm_config=None, saves: bool = True) -> None:
         self.pool, self.spec, self.block_size = pool, spec, block_size
+        self.saves = saves  # False: a decode instance (kv_consumer) loads and never saves
         self.vllm_config = vllm_config
         self.chunk_tokens = spec.chunk_tokens
         self.copier = None
@@ -195,7 +196,7 @@ class PoolWorker:
         if meta.prefill_tokens >= self.block_size and meta.prefill_tokens * 2 >= meta.total_tokens:
             self._meta.prefill_samples.append((meta.total_tokens, t_forward))
         c = self.chunk_tokens
-        for step in meta.steps:
+        for step in meta.steps if self.saves else ():
             req = self.reqs.get(step.req_id)
             if req is None:
                 continue

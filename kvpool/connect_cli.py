@@ -45,12 +45,20 @@ def pool_config(tenants: list[str], chunk_tokens: int, credentials_file: str, po
     return cfg
 
 
-def engine_config(engine: str, cfg: dict) -> dict:
-    """What the engine's own flag takes: vLLM's ``--kv-transfer-config``, SGLang's
+KV_ROLES = {"both": "kv_both", "producer": "kv_producer", "consumer": "kv_consumer"}
+
+
+def engine_config(engine: str, cfg: dict, role: str = "both") -> dict:
+    """What the engine's own flag takes: vLLM's ``--kv-transfer-config`` (``role``: both, or the
+    prefill instance's ``producer`` / the decode instance's ``consumer``), SGLang's
     ``--hicache-storage-backend-extra-config``."""
+    if role not in KV_ROLES:
+        raise BadRequest(f"--role {role!r}: one of {', '.join(KV_ROLES)}")
     if engine == "vllm":
         return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+                "kv_role": KV_ROLES[role], "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+    if role != "both":
+        raise BadRequest(f"--role {role}: prefill/decode roles are vLLM's (kv_role); SGLang's backend saves and loads")
     if engine == "sglang":
         return {"backend_name": "kvpool", "module_path": "kvpool.connectors.sglang", "class_name": "KVPoolStorage",
                 **cfg}
@@ -72,7 +80,7 @@ def _connect(args: argparse.Namespace) -> int:
     path = write_credentials(args.credentials_file, {t: authority.issue(t) for t in tenants})
     cfg = pool_config(tenants, args.chunk_tokens, path, pool=args.pool, storage_format=args.storage_format,
                       degraded=args.degraded, run_dir=args.run_dir)
-    print(json.dumps(engine_config(args.engine, cfg), separators=(",", ":")))
+    print(json.dumps(engine_config(args.engine, cfg, args.role), separators=(",", ":")))
     return 0
 
 
@@ -93,6 +101,9 @@ def add_connect_parser(sub) -> None:
                    "instead of failing at start")
     c.add_argument("--run-dir", help="where the node's shard announces itself (default: $KVPOOL_RUN_DIR, else "
                    "/dev/shm)")
+    c.add_argument("--role", choices=list(KV_ROLES), default="both",
+                   help="vllm: both (default: loads and saves), producer (a prefill instance: saves, never loads) or "
+                   "consumer (a decode instance: loads, never saves)")
     c.add_argument("--credentials-file", default=DEFAULT_CREDENTIALS,
                    help=f"where the tenants' credentials are written, mode 0600 (default {DEFAULT_CREDENTIALS})")
     c.add_argument("--secret-file", help="the pool secret (default: as for `kvpool up`)")

@@ -64,3 +64,16 @@ def test_bad_input_names_the_fix(tmp_path):
     assert r.returncode == 2 and "--chunk-tokens" in r.stderr
     r = connect(tmp_path, "vllm", "--secret-file", str(tmp_path / "secret"), "--tenant", "bad name!")
     assert r.returncode == 2 and "tenant" in r.stderr
+
+
+def test_prefill_and_decode_instances_get_their_kv_roles(tmp_path):
+    (tmp_path / "secret").write_text(SECRET)
+    (tmp_path / "secret").chmod(0o600)
+    roles = {}
+    for role in ("both", "producer", "consumer"):
+        r = connect(tmp_path, "vllm", "--secret-file", str(tmp_path / "secret"), "--role", role)
+        assert r.returncode == 0, r.stderr
+        roles[role] = json.loads(r.stdout)["kv_role"]
+    assert roles == {"both": "kv_both", "producer": "kv_producer", "consumer": "kv_consumer"}
+    r = connect(tmp_path, "sglang", "--secret-file", str(tmp_path / "secret"), "--role", "producer")
+    assert r.returncode != 0 and "vLLM's (kv_role)" in r.stderr and not r.stdout

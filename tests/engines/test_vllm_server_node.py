@@ -104,12 +104,12 @@ class Pool:
         self.redis.kill()
         self.redis.wait(10)
 
-    def up(self) -> None:
+    def up(self, dram_pages: int = 64) -> None:
         out, _ = self.head.communicate(timeout=120)
         assert self.head.returncode == 0, out[-3000:]
         r = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "up", "--ray-address", self.address,
                             "--redis", f"redis://127.0.0.1:{self.redis_port}", "--insecure-redis", "--page-size", str(256 << 10),
-                            "--dram-pages", "64", "--tenant", "default", "--secret-file", str(self.secret_file),
+                            "--dram-pages", str(dram_pages), "--tenant", "default", "--secret-file", str(self.secret_file),
                             "--insecure-ray"],
                            env=self.env, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -164,7 +164,8 @@ class Pool:
 
 
 class Server:
-    def __init__(self, model: str, workdir, run_dir: str) -> None:
+    def __init__(self, model: str, workdir, run_dir: str, kv_role: str = "kv_both", name: str = "server",
+                 max_model_len: int = 1024) -> None:
         credential = Authority(POOL_SECRET).issue("default")  # what the operator hands the engine
         pool = {"backend": "node", "pool": "default", "run_dir": run_dir, "timeout_s": 2.0, "chunk_tokens": CHUNK,
                 "tenants": [{"id": "default", "credential": credential}],
@@ -181,9 +182,10 @@ class Server:
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                "--distributed-executor-backend", "mp",
                "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
-               "--max-model-len", "1024", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-               "--uvicorn-log-level", "warning", "--kv-transfer-config", json.dumps(kv_transfer_config(**pool))]
-        self.log_path = workdir / "server.log"
+               "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--uvicorn-log-level", "warning", "--kv-transfer-config",
+               json.dumps(kv_transfer_config(kv_role, **pool))]
+        self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -219,13 +221,13 @@ class Server:
         pat = r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$'
         return {m[1]: float(m[2]) for m in re.finditer(pat, text, re.M)}
 
-    def complete(self, tokens: list[int], what: str) -> tuple[list[int], float, float]:
+    def complete(self, tokens: list[int], what: str, max_tokens: int = 4) -> tuple[list[int], float, float]:
         """(the answer's tokens, the seconds the request took, the tokens it loaded from the pool).
         Greedy, a few tokens: the answer shows whether the prompt's KV was right."""
         before = self.cached_by_source().get("host", 0.0)
         t0 = time.monotonic()
-        out = self.post("/v1/completions", {"model": "tiny", "prompt": tokens, "max_tokens": 4, "temperature": 0.0,
-                                            "return_token_ids": True, "ignore_eos": True})
+        out = self.post("/v1/completions", {"model": "tiny", "prompt": tokens, "max_tokens": max_tokens,
+                                            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True})
         took = time.monotonic() - t0
         FIGURES.setdefault(what, []).append(took)
         answer = [int(t) for t in out["choices"][0]["token_ids"]]
