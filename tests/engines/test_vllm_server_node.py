@@ -165,7 +165,7 @@ class Pool:
 
 class Server:
     def __init__(self, model: str, workdir, run_dir: str, kv_role: str = "kv_both", name: str = "server",
-                 max_model_len: int = 1024) -> None:
+                 max_model_len: int = 1024, extra_env: dict | None = None) -> None:
         credential = Authority(POOL_SECRET).issue("default")  # what the operator hands the engine
         pool = {"backend": "node", "pool": "default", "run_dir": run_dir, "timeout_s": 2.0, "chunk_tokens": CHUNK,
                 "tenants": [{"id": "default", "credential": credential}],
@@ -177,7 +177,7 @@ class Server:
         # NOTE: vLLM's multiprocess engine (need_engines turned it off for in-process tests): the
         # scheduler and the worker are different processes, each with its own NodeClient
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                    "HF_HUB_OFFLINE": "1"})
+                    "HF_HUB_OFFLINE": "1", **(extra_env or {})})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                "--distributed-executor-backend", "mp",
