@@ -11,7 +11,7 @@ from kvpool import KVSpec, Tenant, TenantRegistry
 from kvpool.errors import BadRequest
 from kvpool.keys import ChunkKey
 from kvpool.pool import LocalPool
-from kvpool.slices import Slicing, slice_key, tp_heads
+from kvpool.slices import Slicing, tp_heads
 from kvpool.store import ChunkStore, StoreConfig
 
 SPEC = KVSpec("test/tp", num_layers=4, num_kv_heads=8, head_dim=8, dtype="float32", block_size=4, chunk_tokens=8)
