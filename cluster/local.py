@@ -49,7 +49,8 @@ def local_cluster(nodes: int = 2, *, namespace: str | None = None, num_cpus: int
 @contextlib.contextmanager
 def local_cluster_pool(spec, tenants, dram_chunks: int, address: str | None = None, index_url: str | None = None):
     """A pool on local Ray (started here, or ``address``) with the embedded index (or Redis at
-    ``index_url``), as a NodePool through this node's shard (kvpool.node.pool); torn down after."""
+    ``index_url``) holding ``dram_chunks`` chunks of ``spec``, as an engine opens it: a SlicedPool
+    (kvpool.slices) over a NodePool through this node's shard, pages one slice each; torn down after."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
@@ -57,6 +58,7 @@ def local_cluster_pool(spec, tenants, dram_chunks: int, address: str | None = No
     from kvpool.codec import stored_nbytes
     from kvpool.node.client import NodeClient
     from kvpool.node.pool import NodePool
+    from kvpool.slices import SlicedPool, Slicing
 
     ns = "kvpool-demo"
     if address:
@@ -66,12 +68,14 @@ def local_cluster_pool(spec, tenants, dram_chunks: int, address: str | None = No
         ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=ns, logging_level="ERROR",
                  log_to_driver=False)
     opened = None
+    slicing = Slicing.of(spec)
+    part = slicing.slice_spec(spec)
     try:
-        up(store={"page_bytes": stored_nbytes(spec), "dram_pages": dram_chunks,
+        up(store={"page_bytes": stored_nbytes(part), "dram_pages": dram_chunks * slicing.per_chunk,
                   "storage_format": spec.storage_format},
            tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
         opened = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), timeout_s=10.0)
-        yield NodePool(spec, opened, tenants)
+        yield SlicedPool(NodePool(part, opened, tenants, keyed_as=spec), spec, slicing)
     finally:
         if opened is not None:
             opened.close()

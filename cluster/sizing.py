@@ -96,10 +96,11 @@ def kv_layout(config) -> tuple[tuple[str, ...], int, int, int]:
 
 def model_chunk(model: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str | None = None,
                 storage_format: str = "raw") -> dict:
-    """What a page must hold for ``model``: ``{"spec", "chunk_bytes" (stored), "raw_bytes",
-    "dtype"}``."""
+    """What a page must hold for ``model``: ``{"spec", "chunk_bytes" (a chunk stored), "raw_bytes",
+    "dtype", "page_bytes" (a slice stored: what a page holds), "slices" (per chunk)}``."""
     from kvpool.codec import page_bytes
     from kvpool.connectors.pools import spec_for
+    from kvpool.slices import Slicing
 
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
         raise BadRequest(f"--chunk-tokens is a positive number of tokens (the connectors' chunk_tokens, default "
@@ -114,4 +115,6 @@ def model_chunk(model: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str
     except BadRequest as e:
         raise BadRequest(f"kvpool up --model {model}: {e.message} (set --dtype, --storage-format or --chunk-tokens)"
                          ) from None
-    return {"spec": spec, "chunk_bytes": page_bytes(spec), "raw_bytes": spec.chunk_nbytes, "dtype": spec.dtype}
+    part = Slicing.of(spec).slice_spec(spec)  # what a page holds: one KV head's slice of a chunk (kvpool.slices)
+    return {"spec": spec, "chunk_bytes": page_bytes(spec), "raw_bytes": spec.chunk_nbytes, "dtype": spec.dtype,
+            "page_bytes": page_bytes(part), "slices": spec.num_kv_heads}

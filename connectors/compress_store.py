@@ -22,7 +22,6 @@ header, a sliding layer's window or a latent layout are not what the scores assu
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -169,7 +168,7 @@ def cut_cache(cache, tokens: int):
 
 def takes_attention(pool) -> bool:
     """Whether the pool's save takes per-chunk attention mass (the local pool does; a cluster pool not yet)."""
-    return "attention" in inspect.signature(pool.save).parameters
+    return pool.takes_attention
 
 
 def save_attention(model, cache, ids, chunk_tokens: int) -> list[float] | None:

@@ -21,7 +21,7 @@ from kvpool.connectors import compress_store
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.hf_batch import prompt_rows
 from kvpool.connectors.hf_model import cache_argument, layer_kv, model_spec, same_layout
-from kvpool.connectors.pools import PoolHealth, Reporter, check_config, open_pool
+from kvpool.connectors.pools import PoolHealth, Reporter, as_sliced, check_config, open_pool
 from kvpool.errors import BadRequest, KvPoolError
 
 log = logging.getLogger("kvpool.connectors.hf")
@@ -68,7 +68,7 @@ class HFConnector:
                                    storage_format=cfg["storage_format"])
             self.pool = open_pool(self.spec, config)
         else:
-            self.spec, self.pool = pool.spec, pool
+            self.spec, self.pool = pool.spec, as_sliced(pool)
             if not same_layout(pool.spec, model):  # NOTE: the weights are the pool's maker's word (model_spec)
                 raise BadRequest(f"the pool's spec {pool.spec} does not describe {type(model).__name__}'s KV layout: "
                                  "open the pool with model_spec(model)")

@@ -35,9 +35,10 @@ config):
   of the LOSSY formats ``"fp8"``, ``"int8"``, ``"int4-kivi"``, ``"int2-kivi"`` (opt-in: chunks are
   quantized on save and dequantized on load, so the model continues from KV close to, not equal
   to, its own; see :mod:`kvpool.codec` and docs/formats.md). The format is part of every chunk's
-  key: engines of other formats never read each other's chunks. A local pool sizes its pages to
-  the stored chunk (``dram_mib`` holds ~1/bytes-ratio more chunks); a cluster pool needs
-  ``kvpool up --page-size`` of at least the stored chunk (:func:`kvpool.codec.stored_nbytes`);
+  key: engines of other formats never read each other's chunks. A chunk is stored as one slice per
+  KV head (:mod:`kvpool.slices`, so any tensor-parallel size reads it). A local pool sizes its
+  pages to the stored slice (``dram_mib`` holds ~1/bytes-ratio more chunks); a cluster pool needs
+  ``kvpool up --page-size`` of at least the stored slice (``kvpool up --model`` sizes it);
 - start-up: a ``"node"`` pool must answer when the connector starts (``open_pool``): the node's
   shard (its node file in ``run_dir``, then a ping on its socket) within ``start_timeout_s``
   (default 30: a pool that is starting is waited for, with a log line every few seconds). If it
@@ -61,6 +62,7 @@ from kvpool.auth import SECRET_FILE_ENV, Authority
 from kvpool.codec import page_bytes
 from kvpool.errors import BadRequest, LayoutMismatch, Unavailable
 from kvpool.pool import LocalPool
+from kvpool.slices import SlicedPool, Slicing
 from kvpool.spec import STORAGE_FORMATS, KVSpec
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
@@ -197,14 +199,17 @@ def pool_authority(config: dict[str, Any]) -> Authority:
     return known
 
 
-def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
-    """A ``LocalPool`` or a ``NodePool`` (through this node's shard) for ``spec``: same surface
-    (keys, lookup, begin, load, save, end)."""
+def open_pool(spec: KVSpec, config: dict[str, Any] | None = None, slicing: Slicing | None = None) -> SlicedPool:
+    """The pool for ``spec``'s chunks of one engine rank (``slicing``: its heads and layers; default
+    the whole model), stored as per-head slices (kvpool.slices) in a ``LocalPool`` or a ``NodePool``
+    (through this node's shard): keys, lookup, begin, load, save, end."""
+    slicing = slicing or Slicing.of(spec)
     cfg = check_config(config or {})
     if "storage_format" in (config or {}) and cfg["storage_format"] != spec.storage_format:
         raise BadRequest(f"the config's storage_format {cfg['storage_format']!r} is not the spec's "
                          f"{spec.storage_format!r}: build the spec with spec_for(..., storage_format=)")
     tenants = pool_tenants(cfg)
+    whole, spec = spec, slicing.slice_spec(spec)
     if cfg["backend"] == "local":
         with _lock:
             store = _local_stores.get(cfg["pool"])
@@ -222,14 +227,42 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None):
                                          f"spec takes {need} B: give this connector its own pool name")
                 for t in tenants:
                     store.tenants.add(t)
-        return LocalPool(spec, store, pool_authority(cfg))
+        return SlicedPool(LocalPool(spec, store, pool_authority(cfg), keyed_as=whole), whole, slicing)
     from kvpool.node.client import NodeClient  # NOTE: no Ray on this path: the engine never joins the cluster
     from kvpool.node.pool import NodePool
 
     client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
                         timeout_s=float(cfg.get("timeout_s", 2.0)))
     _node_answers(client, cfg)
-    return NodePool(spec, client, tenants)
+    return SlicedPool(NodePool(spec, client, tenants, keyed_as=whole), whole, slicing)
+
+
+def local_pool(spec: KVSpec, tenants: TenantRegistry, chunks: int, *, authority: Authority | None = None,
+               **config: Any) -> SlicedPool:
+    """An in-process pool of its own (benchmarks, demos, tests) that holds ``chunks`` whole chunks of
+    ``spec`` as slices, its pages one slice each (``LocalPool.create``'s ``config``)."""
+    slicing = Slicing.of(spec)
+    part = LocalPool.create(slicing.slice_spec(spec), tenants, chunks * slicing.per_chunk, authority=authority,
+                            keyed_as=spec, **config)
+    return SlicedPool(part, spec, slicing)
+
+
+def as_sliced(pool) -> SlicedPool:
+    """``pool`` as a :class:`SlicedPool` of the whole model: a ``LocalPool`` or ``NodePool`` given to a
+    connector directly (tests, tools) stores the same slices an opened one does."""
+    if isinstance(pool, SlicedPool):
+        return pool
+    from kvpool.node.pool import NodePool
+
+    slicing = Slicing.of(pool.spec)
+    part_spec = slicing.slice_spec(pool.spec)
+    if isinstance(pool, LocalPool):
+        part = LocalPool(part_spec, pool.store, pool.auth, keyed_as=pool.spec)
+    elif isinstance(pool, NodePool):
+        part = NodePool(part_spec, pool.client, list(pool._tenants.values()), keyed_as=pool.spec)
+    else:
+        raise BadRequest(f"a connector's pool is a LocalPool, a NodePool or one open_pool made, not {type(pool).__name__}")
+    return SlicedPool(part, pool.spec, slicing)
 
 
 def _node_answers(client, cfg: dict[str, Any]) -> None:

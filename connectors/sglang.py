@@ -56,11 +56,12 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.pools import NO_COMPRESS, check_config, open_pool, spec_for
-from kvpool.connectors.sglang_keys import PageKeys, call_context, model_identity
+from kvpool.connectors.sglang_keys import PageKeys, call_context, model_identity, total_kv_heads
 from kvpool.connectors.sglang_pages import HostPages
 from kvpool.connectors.tenancy import Route, Tenancy
 from kvpool.errors import BadRequest, KvPoolError, UnknownTenant
 from kvpool.keys import ChunkKey
+from kvpool.slices import Slicing
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,7 @@ class KVPoolStorage(HiCacheStorage):
             # after constructing the backend; an operator's explicit 0 keeps the generic path.
             extra.setdefault("interface_v1", 1)
         c = storage_config
-        self._keys = PageKeys((f"tp={c.tp_rank}/{c.tp_size}", f"pp={c.pp_rank}/{c.pp_size}",
-                               f"cp={c.attn_cp_rank}/{c.attn_cp_size}"))
+        self._keys = PageKeys((f"pp={c.pp_rank}/{c.pp_size}", f"cp={c.attn_cp_rank}/{c.attn_cp_size}"))
         self.storage_config = storage_config
         self.model_name = c.model_name or ""
         self.weights, self.layer_kinds, self.engine = model_identity(self.model_name, (extra or {}).get("model_weights"))
@@ -138,13 +138,22 @@ class KVPoolStorage(HiCacheStorage):
         if "chunk_tokens" in (self.storage_config.extra_config or {}) and self.config["chunk_tokens"] != page_size:
             raise BadRequest(f"chunk_tokens={self.config['chunk_tokens']} but SGLang's page is {page_size} tokens: "
                              "this backend stores one page per chunk; drop chunk_tokens from the extra config")
-        self.spec = spec_for(self.model_name or "sglang-model", int(host.layer_num), int(host.head_num),
+        c, heads = self.storage_config, int(host.head_num)  # this rank's KV heads
+        total = total_kv_heads(self.model_name) or heads * c.tp_size
+        if heads != max(1, total // c.tp_size):
+            raise BadRequest(f"SGLang's host pool holds {heads} KV heads at tp_size={c.tp_size}, but the model has "
+                             f"{total}: not the split the pool stores")
+        # NOTE: the spec is the whole model's heads (its keys are the same at every TP size); each
+        # rank stores and reads its heads' slices (kvpool.slices).
+        self.spec = spec_for(self.model_name or "sglang-model", int(host.layer_num), total,
                              int(head_dim), host.dtype, chunk_tokens=page_size, weights=self.weights,
                              layer_kinds=self.layer_kinds, engine=self.engine,
                              storage_format=self.config["storage_format"])
-        self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size})
+        self.slicing = Slicing.of(self.spec, c.tp_size, c.tp_rank)
+        self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size}, self.slicing)
         self.page_size = page_size
-        self._pages = HostPages(host, layout, self.spec.num_layers, self.spec.num_kv_heads, head_dim, page_size)
+        self.rank_bytes = self.slicing.rank_spec(self.spec).chunk_nbytes  # a page of this rank
+        self._pages = HostPages(host, layout, self.spec.num_layers, heads, head_dim, page_size)
         self.mem_pool_host = host
         logger.info("kvpool HiCache backend: %s, %s pages of %d tokens, tenant %r, backend %s", self.model_name,
                     layout, page_size, self.tenant, self.config["backend"])
@@ -186,7 +195,7 @@ class KVPoolStorage(HiCacheStorage):
             self._count("read_errors")
             chunks = []
         dt = time.perf_counter() - t0
-        nbytes = len(chunks) * self.spec.chunk_nbytes
+        nbytes = len(chunks) * self.rank_bytes
         self.breakeven.observe_load(nbytes, dt)
         with self._lock:  # SGLang's prefetch and backup threads call concurrently
             self._counts["get_pages"] += len(ckeys)
@@ -212,7 +221,7 @@ class KVPoolStorage(HiCacheStorage):
             stored = 0
         dt = time.perf_counter() - t0
         try:
-            resident = self.pool.lookup(tenant, ckeys) // self.page_size
+            resident = self.pool.lookup_mine(tenant, ckeys) // self.page_size  # this rank's part of each page
         except (BadRequest, UnknownTenant):
             raise
         except Exception as e:
@@ -222,7 +231,7 @@ class KVPoolStorage(HiCacheStorage):
             self._counts["set_pages"] += len(ckeys)
             self._counts["set_stored"] += stored
             self._metrics["backup_pgs"].append(resident)
-            nbytes = len(ckeys) * self.spec.chunk_nbytes
+            nbytes = len(ckeys) * self.rank_bytes
             self._metrics["backup_bandwidth"].append(nbytes / dt / 1e9 if dt > 0 else 0.0)
         return resident
 
@@ -326,8 +335,9 @@ class KVPoolStorage(HiCacheStorage):
         return [True] * n + [False] * (len(keys) - n)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
-        """Stores the host pool's pages at ``host_indices`` under ``keys``; a True per page that is in
-        the pool afterwards."""
+        """Stores the host pool's pages at ``host_indices`` under ``keys``; a True per page whose
+        slices from this rank are in the pool afterwards (SGLang agrees across ranks on reads: the
+        least of the ranks' hits)."""
         slots = self._host_slots(keys, host_indices)
         if not keys:
             return []

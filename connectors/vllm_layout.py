@@ -61,6 +61,15 @@ class KernelCopier:
         self.device, self.dtype = geo.device, geo.dtype
         self.name = self.layout.name
 
+    def heads(self, first: int, end: int) -> "KernelCopier":
+        """This copier through the cache's heads ``first..end-1`` only (a pool slice's head)."""
+        out = object.__new__(KernelCopier)
+        out.caches, out.layout, out.name = self.caches, self.layout, self.name
+        out.bound = self.bound.heads(first, end)
+        out.block_size, out.kv_heads, out.head_dim = self.block_size, end - first, self.head_dim
+        out.device, out.dtype = self.device, self.dtype
+        return out
+
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return self.bound.gather(slots.to(self.device))
 

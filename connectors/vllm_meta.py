@@ -60,7 +60,10 @@ class PoolStepMeta(KVConnectorMetadata):
 
 @dataclass
 class PoolWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step with news: samples for BreakEven and counters."""
+    """Worker -> scheduler, once per step with news: samples for BreakEven and counters. vLLM
+    aggregates one per rank of a parallel engine (its KVOutputAggregator): the ranks ran the same
+    requests, each on its slices, so a counter is the largest of the ranks' (a load that failed on
+    one rank failed for the request; the rank that writes a replicated head counts its saves)."""
 
     load_samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     prefill_samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
@@ -71,7 +74,7 @@ class PoolWorkerMeta(KVConnectorWorkerMetadata):
             return self
         counters = dict(self.counters)
         for k, v in other.counters.items():
-            counters[k] = counters.get(k, 0) + v
+            counters[k] = max(counters.get(k, 0), v)
         return PoolWorkerMeta(self.load_samples + other.load_samples,
                               self.prefill_samples + other.prefill_samples, counters)
 

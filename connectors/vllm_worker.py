@@ -3,12 +3,13 @@
 It keeps, per request in flight, the chunk keys of its prompt, its block ids and how many
 leading chunks are known to be in the pool. Each step it
 
-- loads the token range the scheduler planned (``load``): pool chunks scattered into the
-  request's blocks with :func:`kvpool.kernels.paged.scatter` (straight from the pages of an
-  in-process pool, verified in place; copied out of a Ray pool); chunks the pool does not return
-  make their blocks "failed" (reported to vLLM, which recomputes them);
+- loads the token range the scheduler planned (``load``): this rank's slices of the pool's chunks
+  (one per KV head it holds, :mod:`kvpool.slices`) each scattered straight into its head of the
+  request's blocks with :class:`kvpool.kernels.paged.BoundCache` (from the pages of the pool,
+  verified in place); chunks the pool does not return whole make their blocks "failed" (reported
+  to vLLM, which recomputes them);
 - after the forward (``save``), gathers every whole prompt chunk completed so far and not yet in
-  the pool with :func:`kvpool.kernels.paged.gather` and saves it;
+  the pool with :func:`kvpool.kernels.paged.gather` and saves this rank's slices of it;
 - measures both sides for the load-or-recompute decision: load bandwidth, and forward seconds
   per computed token (from metadata bind to ``wait_for_save``, minus the load).
 
@@ -55,6 +56,7 @@ class PoolWorker:
         self.vllm_config = vllm_config
         self.chunk_tokens = spec.chunk_tokens
         self.copier = None
+        self.head_copiers: list = []
         self.reqs: dict[str, _Req] = {}
         self.failed_blocks: set[int] = set()
         self.failed_history: list[int] = []  # every block ever reported (tests, operators)
@@ -84,6 +86,8 @@ class PoolWorker:
             raise BadRequest(f"KVPoolConnector: the KV cache is {tuple(caches[0].shape)} (block_size, kv_heads, "
                              f"head_dim = {got}) but the spec says {want}")
         self.copier = copier
+        # a pool slice is one KV head: each goes straight into its head of vLLM's blocks
+        self.head_copiers = [copier] if copier.kv_heads == 1 else [copier.heads(h, h + 1) for h in range(copier.kv_heads)]
         log.info("KVPoolConnector: %d layers, %s copies, cache %s stride %s", len(caches), copier.name,
                  tuple(caches[0].shape), caches[0].stride())
 
@@ -129,14 +133,16 @@ class PoolWorker:
         c0, c1 = lo // c, cdiv(hi, c)
         t0 = time.perf_counter()
         done = lo
+        last = len(self.head_copiers) - 1
         try:
-            with closing(self._chunks(req, c0, c1)) as chunks:
-                for j, chunk in chunks:
-                    with chunk:  # released right after its copy, also when the copy fails
-                        a, b, off = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
-                        kv = chunk.kv if (a, b) == (off, off + c) else chunk.kv[:, :, a - off : b - off]
-                        self.copier.scatter(kv, self._run_slots(req, a, b))
-                    done = b
+            with closing(self._chunks(req, c0, c1)) as slices:
+                for j, h, view in slices:
+                    a, b, off = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
+                    with view:  # released right after its copy, also when the copy fails
+                        kv = view.kv if (a, b) == (off, off + c) else view.kv[:, :, a - off : b - off]
+                        self.head_copiers[h].scatter(kv, self._run_slots(req, a, b))  # straight into its head
+                    if h == last:  # the chunk's every head is in: its tokens are loaded
+                        done = b
         except Exception as e:  # noqa: BLE001 - any failure on the read path is a miss
             log.warning("KVPoolConnector: load of request %s failed after %d tokens (%s)", req_id, done, e)
         dt = time.perf_counter() - t0
@@ -157,9 +163,10 @@ class PoolWorker:
             self._add("failed_blocks", len(bad))
             self._add("failed_tokens", hi - done)
 
-    def _chunks(self, req: _Req, c0: int, c1: int) -> Iterator[tuple[int, Any]]:
-        """The leading run of the pool's chunks for ``keys[c0:c1]``, in order, each verified and
-        valid until released; adds the time spent reading the pool to ``load_pool_us``.
+    def _chunks(self, req: _Req, c0: int, c1: int) -> Iterator[tuple[int, int, Any]]:
+        """(chunk, head, view) of this rank's slices of the leading run of the pool's chunks for
+        ``keys[c0:c1]`` (:meth:`kvpool.slices.SlicedPool.load_slices_in_place`), in order, each
+        verified and valid until released; adds the time spent reading the pool to ``load_pool_us``.
 
         NOTE: a same-process pool (LocalPool) hands out views of its own pages, verified in
         place, which are scattered straight into vLLM's blocks; ``load`` would verify a private
@@ -175,15 +182,16 @@ class PoolWorker:
         cores, and the hand-offs cost more than the 2-3 ms of verification they would hide."""
         keys = req.keys[c0:c1]
         t0 = time.perf_counter()
-        views = getattr(self.pool, "load_views_in_place", self.pool.load_views)(req.tenant, keys)
+        views = self.pool.load_slices_in_place(req.tenant, keys)
         pool_s = 0.0
         try:
-            for j in range(len(keys)):
-                view = next(views, None)
+            for _ in range(len(keys) * len(self.head_copiers)):
+                got = next(views, None)
                 pool_s += time.perf_counter() - t0
-                if view is None:
+                if got is None:
                     return
-                yield j, view  # the caller releases it (``with``): an in-place view is verified then
+                view = got[2]
+                yield got  # the caller releases it (``with``): an in-place view is verified then
                 pool_s += getattr(view, "verify_s", 0.0)
                 t0 = time.perf_counter()
         finally:

@@ -16,6 +16,7 @@ per-layer views of the cache's layout. Both move bits, not numbers
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -59,6 +60,18 @@ class BoundCache:
         self.layout = layout
         self.views, self.geo = layout.views(cache)  # BadRequest on a cache this layout cannot read
         self._runs: list | None = None  # CPU: (K, V) integer views [L', NB, BS, H, D], the layers each covers
+
+    def heads(self, first: int, end: int) -> "BoundCache":
+        """The same cache seen through its heads ``first..end-1`` only: a chunk of ``end - first``
+        heads scatters into (gathers from) those heads of every slot, the others untouched (a
+        pool slice of one KV head goes straight into its head, no merged chunk in between)."""
+        if not 0 <= first < end <= self.geo.kv_heads:
+            raise BadRequest(f"heads {first}..{end - 1} are not among the cache's {self.geo.kv_heads}")
+        out = object.__new__(BoundCache)
+        out.layout, out._runs = self.layout, None
+        out.views = [type(lv)(lv.k[:, :, first:end], lv.v[:, :, first:end]) for lv in self.views]
+        out.geo = dataclasses.replace(self.geo, kv_heads=end - first)
+        return out
 
     def _run_views(self) -> list:
         if self._runs is None:

@@ -75,11 +75,12 @@ def up_store(args: argparse.Namespace) -> tuple[dict, dict | None]:
         raise BadRequest("--chunk-tokens, --dtype and --storage-format describe the model of --model: add --model PATH")
     if args.page_size:
         page = parse_size(args.page_size)
-        if chunk and page < chunk["chunk_bytes"]:
-            raise BadRequest(f"--page-size {args.page_size} ({page} B) is smaller than one stored chunk of "
-                             f"{args.model} ({chunk['chunk_bytes']} B): drop --page-size to fit pages to the model")
+        if chunk and page < chunk["page_bytes"]:
+            raise BadRequest(f"--page-size {args.page_size} ({page} B) is smaller than one stored slice (a KV head's "
+                             f"chunk) of {args.model} ({chunk['page_bytes']} B): drop --page-size to fit pages to "
+                             "the model")
     elif chunk:
-        page = chunk["chunk_bytes"]
+        page = chunk["page_bytes"]
     else:
         page = parse_size(DEFAULT_PAGE)
         print(f"kvpool: pages are {mib(page)} each (the default); `--model PATH` sizes them to a model's chunk",
@@ -111,9 +112,10 @@ def describe(store: dict, chunk: dict | None, args: argparse.Namespace) -> list[
     page = store["page_bytes"]
     lines = [f"  pages: {page} B ({mib(page)})"]
     if chunk:
-        waste = 1 - chunk["chunk_bytes"] / page
-        lines[0] += (f"; one chunk of {args.model} ({chunk['spec'].chunk_tokens} tokens, {chunk['dtype']}, "
-                     f"{chunk['spec'].storage_format}) stores {chunk['chunk_bytes']} B: {waste:.1%} of each page unused")
+        waste = 1 - chunk["page_bytes"] / page
+        lines[0] += (f"; a chunk of {args.model} ({chunk['spec'].chunk_tokens} tokens, {chunk['dtype']}, "
+                     f"{chunk['spec'].storage_format}) is stored as {chunk['slices']} slices (one a KV head) of "
+                     f"{chunk['page_bytes']} B, a page each: {waste:.1%} of each page unused")
     for tier in ("dram", "disk"):
         if tier in store:
             req = store[tier]

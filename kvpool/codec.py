@@ -206,21 +206,25 @@ class ChunkCodec:
 class Formats:
     """The codec and the key maker of each storage format one pool serves: its spec's (the
     connector's choice, ``""`` below) and any a tenant sets for itself (``Tenant.storage_format``),
-    each made once, on first use. Shared keys are always in the spec's format."""
+    each made once, on first use. Shared keys are always in the spec's format. ``keyed_as``: the
+    spec whose keys the makers make where it is not the chunks' own (a slice of a chunk is keyed by
+    the whole chunk's spec: kvpool.slices)."""
 
-    __slots__ = ("spec", "_salt_of", "_codecs", "_makers")
+    __slots__ = ("spec", "keyed_as", "_salt_of", "_codecs", "_makers")
 
-    def __init__(self, spec: KVSpec, salt_of: Callable[[str], bytes]) -> None:
+    def __init__(self, spec: KVSpec, salt_of: Callable[[str], bytes], keyed_as: KVSpec | None = None) -> None:
         self.spec = spec
+        self.keyed_as = keyed_as or spec
         self._salt_of = salt_of
         self._codecs: dict[str, ChunkCodec] = {}
         self._makers: dict[str, KeyMaker] = {}
 
-    def spec_of(self, fmt: str) -> KVSpec:
-        """The spec in format ``fmt`` (``""``: the spec's own)."""
-        if not fmt or fmt == self.spec.storage_format:
-            return self.spec
-        return dataclasses.replace(self.spec, storage_format=fmt)  # checked again: a float8 cache stays raw
+    def spec_of(self, fmt: str, spec: KVSpec | None = None) -> KVSpec:
+        """The spec (default: the chunks') in format ``fmt`` (``""``: the spec's own)."""
+        spec = spec or self.spec
+        if not fmt or fmt == spec.storage_format:
+            return spec
+        return dataclasses.replace(spec, storage_format=fmt)  # checked again: a float8 cache stays raw
 
     def codec(self, fmt: str = "") -> ChunkCodec:
         codec = self._codecs.get(fmt)
@@ -231,6 +235,6 @@ class Formats:
     def maker(self, fmt: str = "") -> KeyMaker:
         maker = self._makers.get(fmt)
         if maker is None:
-            maker = self._makers[fmt] = KeyMaker(self.spec_of(fmt), self._salt_of)
+            maker = self._makers[fmt] = KeyMaker(self.spec_of(fmt, self.keyed_as), self._salt_of)
         return maker
 

@@ -55,10 +55,12 @@ class LocalPool:
     With an ``authority`` that holds a pool secret, every ``tenant`` argument is a credential
     (kvpool.auth); without one (the default) it is a tenant id and the process is trusted. Either
     way a tenant's keys address its own scope of the store and shared keys the shared one, which
-    only an operator writes."""
+    only an operator writes. ``keyed_as``: the spec keys are made of when the chunks are slices of
+    its chunks (kvpool.slices: engines open their pools through kvpool.slices.SlicedPool)."""
 
-    def __init__(self, spec: KVSpec, store: ChunkStore, authority: Authority | None = None) -> None:
-        self._formats = Formats(spec, self._salt)
+    def __init__(self, spec: KVSpec, store: ChunkStore, authority: Authority | None = None, *,
+                 keyed_as: KVSpec | None = None) -> None:
+        self._formats = Formats(spec, self._salt, keyed_as)
         self.codec = self._formats.codec()
         for fmt in ("", *(t.storage_format for t in store.tenants)):  # a tenant may store its own format
             self._formats.codec(fmt).check_page(store.page_bytes, "create the store with page_bytes >= " + (
@@ -71,14 +73,14 @@ class LocalPool:
 
     @classmethod
     def create(cls, spec: KVSpec, tenants: TenantRegistry, dram_chunks: int, *,
-               authority: Authority | None = None, **config) -> "LocalPool":
+               authority: Authority | None = None, keyed_as: KVSpec | None = None, **config) -> "LocalPool":
         """A pool whose pages are exactly one stored chunk of ``spec`` (quantized, for a lossy
         storage format, whose watermarks it takes too; the largest, when a tenant stores its own
         format), and the seal's bytes when a tenant encrypts its payloads."""
         page = page_bytes(spec, [t.storage_format for t in tenants])
         page += SEAL_OVERHEAD if any(t.encrypt for t in tenants) else 0
         config.setdefault("storage_format", spec.storage_format)
-        return cls(spec, ChunkStore(StoreConfig(page, dram_chunks, **config), tenants), authority)
+        return cls(spec, ChunkStore(StoreConfig(page, dram_chunks, **config), tenants), authority, keyed_as=keyed_as)
 
     @property
     def tenants(self) -> TenantRegistry:

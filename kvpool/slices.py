@@ -20,15 +20,22 @@ TP=1, 4 or 8 reads the slices of the heads it holds, bytes verified per slice by
   recomputes it. What a rank cannot read makes its load fail, which the engine turns into the
   same recompute on every rank.
 
-Cost against per-rank slices (what Mooncake Store and LMCache keep): the same bytes moved per rank
-and one copy each way, but ``H`` index entries per chunk and stage instead of ``tp``.
+Every connector opens its pool as a :class:`SlicedPool` (``kvpool.connectors.pools.open_pool``),
+so one form is stored whatever the engine and its parallel layout: a transformers process, vLLM at
+TP=1 and vLLM at TP=2 read each other's chunks.
+
+Cost against per-rank slices (what Mooncake Store and LMCache keep): the same bytes moved per rank,
+``H`` index entries per chunk and stage instead of ``tp``, and, for a rank that holds more than one
+head, one more copy on a load (its slices merged into its heads' chunk, ``docs/benchmarks.md``).
+The store's hit and miss token counts are per slice (a chunk of ``H`` heads counts ``H`` times).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -132,9 +139,13 @@ class Slicing:
     def slice_spec(self, spec: KVSpec) -> KVSpec:
         """The spec of this rank's slices: one head, its stage's layers (sizes and codec; their
         keys come from the whole model's chunk keys, :func:`slice_key`)."""
+        return self.rank_spec(spec, heads=1)
+
+    def rank_spec(self, spec: KVSpec, heads: int | None = None) -> KVSpec:
+        """The spec of this rank's part of a chunk: its stage's layers, its heads."""
         a, b = self.layers
         kinds = spec.layer_kinds[a:b] if spec.layer_kinds else ()
-        return dataclasses.replace(spec, num_layers=b - a, num_kv_heads=1, layer_kinds=kinds)
+        return dataclasses.replace(spec, num_layers=b - a, num_kv_heads=heads or len(self.heads), layer_kinds=kinds)
 
     def split(self, chunk) -> list:
         """This rank's part of a chunk (its stage's layers, its heads on the head axis, the one
@@ -152,3 +163,160 @@ class Slicing:
         import torch
 
         return torch.cat(list(slices), dim=-2)
+
+
+class SlicedPool:
+    """A pool (``LocalPool`` or ``NodePool``) that stores a rank's chunks as :class:`Slicing`'s slices:
+    the same surface (keys, lookup, begin, save, load, load_views, end), in whole chunks of this
+    rank (``[stage layers, 2, tokens, its heads, head_dim]``). ``part`` is opened with
+    ``slicing.slice_spec(spec)`` and ``keyed_as=spec``, so its keys are the whole chunks' keys."""
+
+    def __init__(self, part, spec: KVSpec, slicing: Slicing) -> None:
+        assert part.spec == slicing.slice_spec(spec), "open the part pool with slicing.slice_spec(spec)"
+        self.part, self.spec, self.slicing = part, spec, slicing
+        self._n = len(slicing.heads)
+        self._local = threading.local()  # the two merge buffers of load_views, per thread
+
+    def __getattr__(self, name: str):
+        if name in _PASSED:  # the pool's own surface that does not read or write chunks
+            return getattr(self.part, name)
+        raise AttributeError(f"{type(self).__name__} has no {name!r} (a pool call on chunks goes through its slices)")
+
+    @property
+    def takes_attention(self) -> bool:
+        """Whether ``save`` takes per-chunk attention mass (the local pool's does)."""
+        import inspect
+
+        return "attention" in inspect.signature(self.part.save).parameters
+
+    def addresses(self, tenant: str, keys: Sequence[ChunkKey]) -> list[list[ChunkKey]]:
+        """Where the store keeps this rank's slices of each of ``keys`` (tools and tests that look
+        inside the store), chunk by chunk."""
+        where, n = self.part.addresses(tenant, self.slicing.keys(list(keys))), self._n
+        return [where[i: i + n] for i in range(0, len(where), n)]
+
+    def keys(self, tenant: str, tokens: object, **kw) -> list[ChunkKey]:
+        return self.part.keys(tenant, tokens, **kw)
+
+    def lookup(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Tokens of the leading chunks whose every slice (every rank's, every stage's) the pool holds."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        held = self.part.lookup(tenant, self.slicing.all_keys(keys)) // self.spec.chunk_tokens
+        return held // self.slicing.per_chunk * self.spec.chunk_tokens
+
+    def lookup_mine(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Tokens of the leading chunks whose slices *this rank* holds (what its own save left in
+        the pool; an engine that agrees across ranks takes the least of its ranks')."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        held = self.part.lookup(tenant, self.slicing.keys(keys)) // self.spec.chunk_tokens
+        return held // self._n * self.spec.chunk_tokens
+
+    def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None):
+        return self.part.begin(tenant, self.slicing.all_keys(list(keys)), priority)
+
+    def end(self, request) -> None:
+        self.part.end(request)
+
+    def pin(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
+        """Pins this rank's slices of the leading chunks; how many chunks."""
+        return self.part.pin(tenant, self.slicing.keys(list(keys))) // self._n
+
+    def save(self, tenant: str, keys: Sequence[ChunkKey], chunks: Sequence, *, start: int = 0, **kw) -> int:
+        """Stores this rank's slices of ``chunks`` (``keys[start:]``); how many chunks' worth of
+        slices were written, rounded up (a slice the pool already held is not written again: the
+        one that replaces a lost slice counts its chunk). A replica of another rank's heads stores
+        nothing (0)."""
+        keys = list(keys)
+        if not isinstance(start, int) or start < 0 or start + len(chunks) > len(keys):
+            raise BadRequest(f"{len(chunks)} chunks from position {start!r} but {len(keys)} keys: pass the keys of "
+                             "every chunk up to the last saved, and start= the first saved one's index")
+        if not self.slicing.writes:
+            return 0
+        n = self._n
+        pieces = [s for c in chunks for s in self.slicing.split(c)]
+        if kw.get("attention") is not None:
+            kw["attention"] = [a for a in kw["attention"] for _ in range(n)]
+        stored = self.part.save(tenant, self.slicing.keys(keys), pieces, start=start * n, **kw)
+        return -(-stored // n)
+
+    def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list:
+        """The leading run of this rank's chunks whose slices are stored and verify."""
+        got = self.part.load(tenant, self.slicing.keys(list(keys)))
+        n = self._n
+        return [got[i] if n == 1 else self.slicing.merge(got[i: i + n]) for i in range(0, len(got) - n + 1, n)]
+
+    def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator:
+        """:meth:`load` as views (``part.load_views``): a rank of one head gets the part's own views;
+        a rank of more gets each chunk merged into memory of its own."""
+        return self._views(self.part.load_views(tenant, self.slicing.keys(list(keys))), reuse=False)
+
+    def load_views_in_place(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator:
+        """:meth:`load_views` for a caller that copies each chunk out and releases it before asking
+        for the next (the vLLM worker), over ``part.load_views_in_place`` where it has one (a slice
+        whose release raises, having changed while read, fails the load of its chunk). A rank of
+        more than one head gets each chunk merged into one of two buffers this thread reuses (no
+        fresh pages per load), valid until it asks for the view after next."""
+        read = getattr(self.part, "load_views_in_place", self.part.load_views)
+        return self._views(read(tenant, self.slicing.keys(list(keys))), reuse=True)
+
+    def load_slices_in_place(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator[tuple[int, int, object]]:
+        """(chunk, head of this rank, view) of each of this rank's slices of the leading chunks, in
+        order, for a caller that copies each slice straight into its own head (the vLLM worker: no
+        merged chunk in between) and releases it before asking for the next (a release that raises
+        fails the load from that chunk on). The run stops at the first slice missing or failing its
+        checksum: a chunk not all of whose heads came is not loaded."""
+        read = getattr(self.part, "load_views_in_place", self.part.load_views)
+        views = read(tenant, self.slicing.keys(list(keys)))
+        try:
+            for i, view in enumerate(views):
+                yield (*divmod(i, self._n), view)
+        finally:
+            views.close()
+
+    def _views(self, views: Iterator, reuse: bool) -> Iterator:
+        from kvpool.pool import OwnedChunk
+
+        n, j = self._n, 0
+        try:
+            if n == 1:
+                yield from views
+                return
+            while True:
+                first = next(views, None)
+                if first is None:
+                    return
+                out = self._buffer(first.kv, j % 2 if reuse else None)
+                view, h = first, 0
+                while True:
+                    with view:  # released (verified, for a view in place) once copied
+                        out[..., h: h + 1, :].copy_(view.kv)
+                    h += 1
+                    if h == n:
+                        break
+                    view = next(views, None)
+                    if view is None:
+                        return  # a chunk short of a slice: the run ends before it
+                j += 1
+                yield OwnedChunk(out)
+        finally:
+            views.close()
+
+    def _buffer(self, kv, which: int | None):
+        import torch
+
+        shape = (*kv.shape[:-2], self._n, kv.shape[-1])
+        if which is None:
+            return torch.empty(shape, dtype=kv.dtype, device=kv.device)
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].shape != shape or bufs[0].dtype != kv.dtype:
+            bufs = self._local.bufs = [torch.empty(shape, dtype=kv.dtype, device=kv.device) for _ in range(2)]
+        return bufs[which]
+
+
+# What a SlicedPool passes to its part pool as is: nothing of it reads or writes a chunk.
+_PASSED = frozenset({"namespace", "client", "report", "stats", "store", "tenants", "secured", "auth",
+                     "codec"})  # the slices' codec

@@ -188,16 +188,16 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         assert r.returncode == 0, r.stderr[-2000:]
         assert "kvpool is up: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
         assert "starting a local Ray head" not in r.stderr  # the head of the record, still answering
-        # pages of the model's 64-token chunk, and 4 MiB of them
-        assert "pages: 262144 B (0.25 MiB); one chunk of" in r.stdout and "0.0% of each page unused" in r.stdout
-        assert "dram 16 pages (4.00 MiB)" in r.stdout, r.stdout
+        # pages of one KV head's slice of the model's 64-token chunk (2 heads: 2 slices), and 4 MiB of them
+        assert "pages: 131072 B (0.12 MiB); a chunk of" in r.stdout and "stored as 2 slices" in r.stdout, r.stdout
+        assert "0.0% of each page unused" in r.stdout and "dram 32 pages (4.00 MiB)" in r.stdout, r.stdout
         assert f"pool secret: {secret}" in r.stdout
         check_ray_is_locked(json.loads(record.read_text())["address"], secret.read_text().strip(), tmp_path)
         r = kvpool("stats", "--json")
         assert r.returncode == 0, r.stderr[-2000:]
         st = json.loads(r.stdout)
         (shard,) = st["shards"].values()
-        assert shard["tiers"]["dram"]["pages_total"] == 16 and "a" in shard["tenants"]
+        assert shard["tiers"]["dram"]["pages_total"] == 32 and "a" in shard["tenants"]
         assert st["healthy"] is True  # idle: nothing out of range (no lookups to judge yet)
         assert "dram" in kvpool("stats").stdout
         # Warm-up: two system prompts of 2 whole chunks (64 tokens each) and a tail.
@@ -206,12 +206,12 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         r = kvpool("warmup", str(warm), "--model", "demo", "--json")
         assert r.returncode == 0, r.stderr[-2000:]
         w = json.loads(r.stdout)
-        # the tiered policy pins at most 20% of the shard's 16 pages: 3 of the 4 chunks
+        # the tiered policy pins at most 20% of the shard's 32 pages: 6 of the 8 slices (2 KV heads), 3 chunks
         assert w == {"prefixes": 2, "skipped": 0, "stored_chunks": 4, "pinned_chunks": 3}
         check_no_other_user_reads_a_chunk("/dev/shm")
         st = json.loads(kvpool("stats", "--json").stdout)
         (shard,) = st["shards"].values()
-        assert shard["chunks"] == 4 and shard["policy_stats"]["pinned"] == 3
+        assert shard["chunks"] == 8 and shard["policy_stats"]["pinned"] == 6  # the store counts slices
         # From a machine with no shard (the chart's Job): as a Ray task on a pool node.
         warm2 = tmp_path / "prefixes2.jsonl"
         warm2.write_text(json.dumps({"tenant": "a", "tokens": list(range(900, 1040))}))
@@ -219,7 +219,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
                    json.loads(record.read_text())["address"], env={**os.environ, "KVPOOL_RUN_DIR": str(tmp_path)})
         assert r.returncode == 0, r.stderr[-2000:]
         assert json.loads(r.stdout) == {"prefixes": 1, "skipped": 0, "stored_chunks": 2, "pinned_chunks": 0}
-        assert json.loads(kvpool("stats", "--json").stdout)["shards"].popitem()[1]["chunks"] == 6
+        assert json.loads(kvpool("stats", "--json").stdout)["shards"].popitem()[1]["chunks"] == 12
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"tenant": "a", "tokens": [1, -2]}')
         r = kvpool("warmup", str(bad))

@@ -137,7 +137,7 @@ def test_pages_watermarks_and_capacity_follow_the_format():
     for fmt in ("raw", "int8", "int4-kivi"):
         spec = spec_for("test/m", 2, 2, 64, torch.float32, chunk_tokens=CHUNK, storage_format=fmt)
         pool = open_pool(spec, {"pool": f"cap-{fmt}", "dram_mib": 4, "chunk_tokens": CHUNK, "storage_format": fmt})
-        assert pool.store.page_bytes == stored_nbytes(spec)
+        assert pool.store.page_bytes == stored_nbytes(pool.part.spec) < stored_nbytes(spec)  # a page a head's slice
         assert pool.store.config.watermarks[0] == DEFAULT_HIGH_WATERMARK[fmt]
         counts[fmt] = pool.store.stats()["tiers"]["dram"]["pages_total"]
         created = LocalPool.create(spec, TenantRegistry([Tenant("a")]), 3)
@@ -185,11 +185,13 @@ def test_the_connector_stores_quantized_chunks_and_runs_on_their_dequantized_kv(
     cold = conn.prefill(ids)
     assert cold.saved_chunks == 3
     keys = conn.pool.keys("a", ids[0].tolist())[:3]
-    where = conn.pool.addresses("a", keys)
+    where = [a for chunk in conn.pool.addresses("a", keys) for a in chunk]  # a slice per KV head
     stored = conn.pool.store.get_many(where, "a")
-    assert [s.shape[0] for s in stored] == [stored_nbytes(conn.spec)] * 3  # quantized in the pool
+    assert [s.shape[0] for s in stored] == [stored_nbytes(conn.pool.part.spec)] * 3 * conn.spec.num_kv_heads
     raw = conn._chunks_from_cache(cold.cache, 0, 3)
-    expect = [dequantize(quantize(c, fmt, impl="torch", **pool_params(conn.spec))) for c in raw]
+    sl, part = conn.pool.slicing, conn.pool.part.spec  # each head's slice quantized on its own
+    expect = [sl.merge([dequantize(quantize(s, fmt, impl="torch", **pool_params(part))) for s in sl.split(c)])
+              for c in raw]
     loaded = conn.pool.load("a", keys)
     assert all(torch.equal(a, b) for a, b in zip(loaded, expect))
     views = list(conn.pool.load_views("a", keys))
@@ -297,14 +299,16 @@ def test_a_tenant_stores_its_own_format_under_keys_of_that_format(model):
            "tenants": ["a", {"id": "b", "storage_format": "int4-kivi"}]}
     conn = HFConnector(model, config=cfg, model_id="test/tiny-llama", tenant="a")  # the connector's format: raw
     pool, ids = conn.pool, prompt(2 * CHUNK + 1, seed=9)
-    assert pool.store.page_bytes == stored_nbytes(conn.spec)  # the largest format any tenant stores
+    assert pool.store.page_bytes == stored_nbytes(pool.part.spec)  # the largest format any tenant stores, a slice
     for tenant in ("a", "b"):
         assert conn.prefill(ids, tenant=tenant).saved_chunks == 2
     ka, kb = pool.keys("a", ids[0].tolist()), pool.keys("b", ids[0].tolist())
     int4 = KVSpec(**{**conn.spec.to_dict(), "storage_format": "int4-kivi"})
     assert pool.namespace("b").spec_fingerprint == int4.fingerprint() != pool.namespace("a").spec_fingerprint
-    sizes = {t: [g.shape[0] for g in pool.store.get_many(pool.addresses(t, k), t)] for t, k in (("a", ka), ("b", kb))}
-    assert sizes == {"a": [conn.spec.chunk_nbytes] * 2, "b": [stored_nbytes(int4)] * 2}
+    sizes = {t: [g.shape[0] for g in pool.store.get_many([a for c in pool.addresses(t, k) for a in c], t)]
+             for t, k in (("a", ka), ("b", kb))}
+    n, int4_slice = 2 * conn.spec.num_kv_heads, KVSpec(**{**pool.part.spec.to_dict(), "storage_format": "int4-kivi"})
+    assert sizes == {"a": [pool.part.spec.chunk_nbytes] * n, "b": [stored_nbytes(int4_slice)] * n}
     warm_a, warm_b = conn.prefill(ids, tenant="a"), conn.prefill(ids, tenant="b")
     assert warm_a.loaded_tokens == warm_b.loaded_tokens == 2 * CHUNK
     with torch.no_grad():

@@ -472,3 +472,35 @@ def test_layers_in_one_allocation_and_consecutive_slots_take_the_fast_paths_exac
     scatter(chunk, by_torch, slots, layout, impl="torch")
     scatter(chunk, by_triton, slots, layout, impl="triton")
     assert same_bits(by_torch, by_triton) and not same_bits(by_torch, cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# One head of a cache (a pool slice goes straight into its head)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_caches_heads_take_their_slices_and_leave_the_others(name, impl):
+    from kvpool.kernels.paged import BoundCache
+
+    heads, tokens = 4, 21
+    cache = make_cache(name, 2, 4, 16, heads, 16, torch.float32, seed=7)
+    layout = layout_of(name)
+    slots = random_slots(64, tokens, seed=3)
+    chunk = rand_bits((2, 2, tokens, heads, 16), torch.float32, torch.Generator().manual_seed(4))
+    whole, by_head = clone_cache(cache), clone_cache(cache)
+    BoundCache(whole, layout).scatter(chunk, slots, impl=impl)
+    bound = BoundCache(by_head, layout)
+    for h in (2, 0, 3, 1):
+        part = bound.heads(h, h + 1)
+        assert part.geo.kv_heads == 1
+        part.scatter(chunk[..., h: h + 1, :].contiguous(), slots, impl=impl)
+        assert same_bits(part.gather(slots, impl=impl), chunk[..., h: h + 1, :])
+    assert same_bits(whole, by_head)  # every head went where the whole chunk puts it
+    one = clone_cache(cache)
+    BoundCache(one, layout).heads(1, 3).scatter(chunk[..., 1:3, :].contiguous(), slots, impl=impl)
+    got = gather_ref(one, slots, layout)
+    assert same_bits(got[..., 1:3, :], chunk[..., 1:3, :])
+    assert same_bits(got[..., [0, 3], :], gather_ref(cache, slots, layout)[..., [0, 3], :])  # the others untouched
+    with pytest.raises(BadRequest, match="not among"):
+        bound.heads(3, 5)

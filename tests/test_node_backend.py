@@ -125,8 +125,11 @@ def test_load_views_read_this_nodes_chunks_one_at_a_time_into_reused_buffers(ray
         with view:
             seen.append(view.kv.clone())  # the caller copies each view before asking for the next
     assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(seen, data))
-    buffers = {v.kv.untyped_storage().data_ptr() for v in pool.load_views("a", keys)}
-    assert len(buffers) == 2  # two buffers, reused in turn: no fresh pages per load
+    slices = pool.slicing.keys(keys)  # the node pool under the slices: two buffers, reused in turn
+    buffers = {v.kv.untyped_storage().data_ptr() for v in pool.part.load_views("a", slices)}
+    assert len(slices) == 6 and len(buffers) == 2  # no fresh pages per load
+    merged = {v.kv.untyped_storage().data_ptr() for v in pool.load_views_in_place("a", keys)}
+    assert len(merged) == 2  # the rank's merged chunks too
     assert list(pool.load_views("b", keys)) == []  # another tenant: nothing
     more = pool.keys("a", list(range(9000, 9000 + 4 * SPEC.chunk_tokens)))
     assert len(list(pool.load_views("a", more))) == 3  # a miss ends the run

@@ -139,7 +139,7 @@ def test_a_node_pools_in_place_views_match_load_and_a_changed_page_fails(tmp_pat
     monkeypatch.setenv("KVPOOL_RUN_DIR", str(tmp_path))  # before ray.init: the shard inherits it
     for k in ("KVPOOL_SECRET", "KVPOOL_SECRET_FILE"):
         monkeypatch.delenv(k, raising=False)
-    spec = spec_for("inplace-model", 2, 2, 32, "float32", chunk_tokens=16)
+    spec = spec_for("inplace-model", 2, 1, 32, "float32", chunk_tokens=16)  # one KV head: one slice a chunk
     g = torch.Generator().manual_seed(5)
     data = [torch.randn(spec.chunk_shape, generator=g) for _ in range(3)]
     with local_cluster_pool(spec, [Tenant("a")], dram_chunks=16) as pool:

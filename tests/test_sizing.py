@@ -130,7 +130,9 @@ def test_up_arguments_size_the_store_before_ray(tmp_path, capsys):
     folder = write(tmp_path / "qwen2", QWEN2)
     args = _up_args("--model", folder, "--dram", "64MiB")
     store, chunk = up_store(args)
-    assert store == {"page_bytes": 1966080, "policy": "default", "dram": 64 << 20}
+    # a page holds one KV head's slice of a chunk: 5 layers x 2 x 256 tokens x 64 dims x 4 B
+    assert chunk["chunk_bytes"] == 1966080 and chunk["slices"] == 3 and chunk["page_bytes"] == 1966080 // 3
+    assert store == {"page_bytes": 1966080 // 3, "policy": "default", "dram": 64 << 20}
     assert "0.0% of each page unused" in describe(store, chunk, args)[0]
     assert capsys.readouterr().err == ""
     store, _ = up_store(_up_args("--dram-pages", "16"))  # the explicit alternative, as the chart passes it
@@ -142,11 +144,11 @@ def test_up_arguments_size_the_store_before_ray(tmp_path, capsys):
                                  "--disk", "1GiB"))
     assert store == {"page_bytes": 4 << 20, "policy": "default", "dram": "25%", "disk_dir": str(tmp_path),
                      "disk": 1 << 30}
-    for argv, match in [(("--model", folder, "--page-size", "1MiB"), "smaller than one stored chunk"),
+    for argv, match in [(("--model", folder, "--page-size", "512KiB"), "smaller than one stored slice"),
                         (("--dtype", "float32",), "add --model PATH"),
                         (("--disk", "1GiB",), "add --disk-dir"),
                         (("--disk-dir", str(tmp_path)), "--disk-dir needs the disk tier's size"),
-                        (("--model", folder, "--dram", "4MiB"), "holds 2 pages"),
+                        (("--model", folder, "--dram", "1MiB"), "holds 1 pages"),
                         (("--dram", "95%",), r"\(0, 90\]%")]:
         with pytest.raises(BadRequest, match=match):
             up_store(_up_args(*argv))

@@ -11,7 +11,7 @@ from kvpool import KVSpec, Tenant, TenantRegistry
 from kvpool.errors import BadRequest
 from kvpool.keys import ChunkKey
 from kvpool.pool import LocalPool
-from kvpool.slices import Slicing, tp_heads
+from kvpool.slices import SlicedPool, Slicing, tp_heads
 from kvpool.store import ChunkStore, StoreConfig
 
 SPEC = KVSpec("test/tp", num_layers=4, num_kv_heads=8, head_dim=8, dtype="float32", block_size=4, chunk_tokens=8)
@@ -55,13 +55,15 @@ def test_pipeline_stages_have_their_own_slices_and_a_hit_needs_all_of_them():
         Slicing.of(SPEC, stages=((0, 2), (3, 4)))
 
 
-def _pools():
-    """A full-model pool (its keys) and, over the same store, one of the slices (``lookup``: tokens
-    of leading slices, each counted as a chunk of the pool's chunk_tokens)."""
-    reg = TenantRegistry([Tenant("a")])
-    store = ChunkStore(StoreConfig(page_bytes=SPEC.chunk_nbytes, dram_pages=64), reg)
-    one = Slicing.of(SPEC).slice_spec(SPEC)
-    return LocalPool(SPEC, store), LocalPool(one, store)
+def _store(pages: int = 256) -> ChunkStore:
+    return ChunkStore(StoreConfig(page_bytes=Slicing.of(SPEC).slice_spec(SPEC).chunk_nbytes, dram_pages=pages),
+                      TenantRegistry([Tenant("a"), Tenant("b")]))
+
+
+def _rank_pool(store: ChunkStore, tp: int = 1, rank: int = 0, stages=(), pp_rank: int = 0) -> SlicedPool:
+    """What an engine rank opens (kvpool.connectors.pools.open_pool does the same over its store)."""
+    s = Slicing.of(SPEC, tp, rank, stages, pp_rank)
+    return SlicedPool(LocalPool(s.slice_spec(SPEC), store, keyed_as=SPEC), SPEC, s)
 
 
 def _rank_part(chunk: torch.Tensor, s: Slicing) -> torch.Tensor:
@@ -69,41 +71,94 @@ def _rank_part(chunk: torch.Tensor, s: Slicing) -> torch.Tensor:
     return chunk[a:b, ..., s.heads.start: s.heads.stop, :]
 
 
+def _chunks(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SPEC.chunk_shape, generator=g) for _ in range(n)]
+
+
+def _save_all(store, tp: int, keys, chunks, ranks=None) -> None:
+    for r in range(tp) if ranks is None else ranks:  # each rank saves its part of every chunk
+        pool = _rank_pool(store, tp, r)
+        stored = pool.save("a", keys, [_rank_part(c, pool.slicing) for c in chunks])
+        assert stored == (len(chunks) if pool.slicing.writes else 0)  # a replica of a head writes nothing
+
+
 @pytest.mark.parametrize("write_tp,read_tp", [(2, 1), (1, 2), (2, 4), (4, 2), (8, 16), (16, 1)])
 def test_kv_saved_at_one_tp_size_loads_exactly_at_another(write_tp, read_tp):
-    full, sliced = _pools()
+    store = _store()
     tokens = list(range(3 * SPEC.chunk_tokens))
-    keys = full.keys("a", tokens)
-    g = torch.Generator().manual_seed(write_tp * 31 + read_tp)
-    chunks = [torch.randn(SPEC.chunk_shape, generator=g) for _ in keys]
-    for r in range(write_tp):  # each writing rank saves its heads' slices of every chunk
-        s = Slicing.of(SPEC, write_tp, r)
-        if s.writes:
-            parts = [p for c in chunks for p in s.split(_rank_part(c, s))]
-            assert sliced.save("a", s.keys(keys), parts) == len(parts)
-    reader0 = Slicing.of(SPEC, read_tp, 0)
-    assert sliced.lookup("a", reader0.all_keys(keys)) // SPEC.chunk_tokens // reader0.per_chunk == len(keys)
+    keys = _rank_pool(store).keys("a", tokens)
+    assert all(_rank_pool(store, tp, tp - 1).keys("a", tokens) == keys for tp in (2, 4, 16))  # no TP in a key
+    chunks = _chunks(len(keys), write_tp * 31 + read_tp)
+    _save_all(store, write_tp, keys, chunks)
     for r in range(read_tp):
-        s = Slicing.of(SPEC, read_tp, r)
-        got = sliced.load("a", s.keys(keys))
-        n = len(s.heads)
-        assert len(got) == n * len(keys)
-        for i, c in enumerate(chunks):
-            assert torch.equal(s.merge(got[i * n: (i + 1) * n]), _rank_part(c, s))
+        pool = _rank_pool(store, read_tp, r)
+        assert pool.lookup("a", keys) == len(keys) * SPEC.chunk_tokens
+        want = [_rank_part(c, pool.slicing) for c in chunks]
+        assert all(torch.equal(a, b) for a, b in zip(pool.load("a", keys), want, strict=True))
+        for read in (pool.load_views, pool.load_views_in_place):
+            got = []
+            for view in read("a", keys):
+                with view:
+                    got.append(view.kv.clone())
+            assert len(got) == len(keys) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_a_missing_slice_is_a_miss_of_its_chunk_for_every_rank():
-    full, sliced = _pools()
-    keys = full.keys("a", list(range(2 * SPEC.chunk_tokens)))
-    chunk = torch.randn(SPEC.chunk_shape)
-    for r in (0, 1):  # TP=2, but rank 1 saved only the first chunk (it died before the second)
-        s = Slicing.of(SPEC, 2, r)
-        mine = keys if r == 0 else keys[:1]
-        parts = [p for _ in mine for p in s.split(_rank_part(chunk, s))]
-        sliced.save("a", s.keys(mine), parts)
+    store = _store()
+    keys = _rank_pool(store).keys("a", list(range(2 * SPEC.chunk_tokens)))
+    chunks = _chunks(2, 1)
+    _save_all(store, 2, keys, chunks, ranks=[0])
+    _save_all(store, 2, keys[:1], chunks[:1], ranks=[1])  # rank 1 died before saving the second chunk
     for tp in (1, 2, 4):
-        s = Slicing.of(SPEC, tp, 0)
-        assert sliced.lookup("a", s.all_keys(keys)) // SPEC.chunk_tokens // s.per_chunk == 1  # the second chunk is nobody's hit
+        assert all(_rank_pool(store, tp, r).lookup("a", keys) == SPEC.chunk_tokens for r in range(tp))
+    assert len(_rank_pool(store, 2, 1).load("a", keys)) == 1
+    assert _rank_pool(store, 2, 0).lookup_mine("a", keys) == 2 * SPEC.chunk_tokens  # its own part of both is in
+    assert _rank_pool(store, 2, 1).lookup_mine("a", keys) == SPEC.chunk_tokens
+    assert len(_rank_pool(store).load("a", keys)) == 1  # TP=1 holds every head: the second chunk lacks four
+
+
+def test_a_corrupt_slice_fails_its_chunk_and_a_resave_repairs_it():
+    store = _store()
+    keys = _rank_pool(store).keys("a", list(range(2 * SPEC.chunk_tokens)))
+    chunks = _chunks(2, 2)
+    _save_all(store, 1, keys, chunks)
+    pool = _rank_pool(store, 2, 1)
+    where = pool.addresses("a", keys)
+    assert len(where) == 2 and all(len(w) == 4 for w in where)
+    tier, page = store.locate(where[1][2])  # chunk 1, rank 1's third head
+    store.slab(tier).page(page)[5] ^= 0x40
+    assert len(pool.load("a", keys)) == 1 and len(_rank_pool(store, 2, 0).load("a", keys)) == 2
+    assert _rank_pool(store).lookup("a", keys) == SPEC.chunk_tokens  # the bad slice was dropped on read
+    assert pool.save("a", keys, [_rank_part(chunks[1], pool.slicing)], start=1) == 1
+    assert all(len(_rank_pool(store, 4, r).load("a", keys)) == 2 for r in range(4))
+
+
+def test_tenants_never_read_each_others_slices():
+    store = _store()
+    pool = _rank_pool(store, 2, 0)
+    tokens = list(range(SPEC.chunk_tokens))
+    ka, kb = pool.keys("a", tokens), pool.keys("b", tokens)
+    _save_all(store, 2, ka, _chunks(1, 3))
+    assert pool.lookup("a", ka) == SPEC.chunk_tokens
+    assert pool.lookup("b", kb) == pool.lookup("b", ka) == 0 and pool.load("b", ka) == []
+
+
+def test_a_pipeline_hit_needs_every_stages_slices():
+    store = _store()
+    stages = ((0, 1), (1, 4))
+    s0, s1 = (_rank_pool(store, 2, 0, stages, p) for p in (0, 1))
+    keys = s0.keys("a", list(range(SPEC.chunk_tokens)))
+    chunk = _chunks(1, 4)[0]
+    assert s0.save("a", keys, [_rank_part(chunk, s0.slicing)]) == 1
+    assert s0.lookup("a", keys) == 0  # stage 1 and rank 1 of stage 0 are missing
+    for tp_rank, pp in ((1, 0), (0, 1), (1, 1)):
+        p = _rank_pool(store, 2, tp_rank, stages, pp)
+        p.save("a", keys, [_rank_part(chunk, p.slicing)])
+    assert s1.lookup("a", keys) == SPEC.chunk_tokens
+    assert torch.equal(s1.load("a", keys)[0], chunk[1:4, ..., 0:4, :])
+    whole = _rank_pool(store)  # TP=1, one stage: its slices are other keys (another layer range)
+    assert whole.lookup("a", keys) == 0
 
 
 def test_split_refuses_a_chunk_that_is_not_the_ranks():

@@ -5,9 +5,9 @@ English text (Python's reference manual, :mod:`kvpool.connectors.bench.quality_t
 cut into a context (``context`` tokens) and a continuation (``scored`` tokens). The reference is
 the model's own KV of the context. Each row holds the context's KV another way and measures:
 
-- ``bytes_ratio``: bytes held over the raw KV's bytes. A format: one stored chunk's payload
-  (codes, scales, header) over the raw float32 chunk, as the pool pages it; ``bytes_ratio_16bit``
-  the same payload quantized from a 16-bit chunk (what GPU engines hold) over that chunk. An
+- ``bytes_ratio``: bytes held over the raw KV's bytes. A format: one stored chunk's payloads
+  (codes, scales, a header per KV head's slice) over the raw float32 chunk, as the pool pages
+  it; ``bytes_ratio_16bit`` the same payload quantized from a 16-bit chunk (what GPU engines hold) over that chunk. An
   eviction method: tokens kept over context tokens (raw KV either way, so both ratios are equal);
 - ``ppl_ratio``: perplexity of the continuation with this KV over perplexity with the model's own
   (each continuation token scored given the true tokens before it);
@@ -176,9 +176,9 @@ class PoolFormat:
         self.fmt, self.model = fmt, model
         self.saver = HFConnector(model, config=cfg, model_id=model_id, weights=WEIGHTS)
         self.loader = HFConnector(model, config=cfg, model_id=model_id, weights=WEIGHTS)
-        spec = self.saver.spec
-        self.bytes_ratio = stored_nbytes(spec) / spec.chunk_nbytes
-        half = dataclasses.replace(spec, dtype="float16")
+        spec, part = self.saver.spec, self.saver.pool.part.spec  # a chunk is stored as a slice per KV head
+        self.bytes_ratio = stored_nbytes(part) * spec.num_kv_heads / spec.chunk_nbytes
+        half = dataclasses.replace(part, dtype="float16")
         self.bytes_ratio_16bit = stored_nbytes(half) / half.chunk_nbytes
 
     def state(self, ids: list[int]) -> Continuation:

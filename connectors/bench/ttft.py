@@ -55,7 +55,7 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
            backend: str = "local", model: str = "random") -> list[dict]:
     from kvpool.connectors.hf import HFConnector
     from kvpool.connectors.hf_model import model_spec
-    from kvpool.pool import LocalPool
+    from kvpool.connectors.pools import local_pool
     from kvpool.tenants import Tenant, TenantRegistry
 
     # NOTE: random weights drive softmax and norms into denormal floats, which x86 handles ~3.5x
@@ -79,14 +79,15 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
         from kvpool.connectors.bench.node_pool_proc import NodePool
         from kvpool.connectors.pools import open_pool
 
-        node = NodePool(spec.chunk_nbytes, chunks + 8, progress)
+        heads = spec.num_kv_heads  # the pool stores a slice per KV head (kvpool.slices)
+        node = NodePool(spec.chunk_nbytes // heads, (chunks + 8) * heads, progress)
     try:
         if node is not None:
             node.start()
             pool = open_pool(spec, node.connector_config())
             conn = HFConnector(m, pool, tenant=node.credential)  # a secured pool: the tenant's credential
         else:
-            pool = LocalPool.create(spec, TenantRegistry([Tenant("bench")]), dram_chunks=chunks)
+            pool = local_pool(spec, TenantRegistry([Tenant("bench")]), chunks)
             conn = HFConnector(m, pool, tenant="bench")
         rows = _measure_hf(conn, prompts, new_tokens, progress, backend, reps_upto=0 if sizes else 4096)
         for r, (asked, _) in zip(rows, sizes or ()):  # the real model: its answers, in words

@@ -207,7 +207,8 @@ def run_server(contexts: list[int], backend: str = "node", *, answer_tokens: int
     with terminated_as_interrupt():
         try:
             if backend == "node":
-                pool = NodePool(1 << max(chunk_bytes - 1, 1).bit_length(), chunks, progress)
+                heads = cfg["num_key_value_heads"]  # a page a slice: one KV head's chunk (kvpool.slices)
+                pool = NodePool(1 << max(chunk_bytes // heads - 1, 1).bit_length(), chunks * heads, progress)
                 to_close.append(pool)
                 pool.start()
                 config = pool.connector_config()

@@ -75,9 +75,17 @@ def make_engine(model: str, pool_config: dict[str, Any], *, block_size: int = 32
     if has_kv_transfer_group():
         raise BadRequest("another vLLM engine with a KV connector is alive in this process: "
                          "shutdown_engine(it) first")
-    return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=block_size, enforce_eager=True,
-               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-               kv_transfer_config=kv_transfer_config(**pool_config), **engine_args)
+    try:
+        return LLM(model=model, skip_tokenizer_init=True, dtype=dtype, block_size=block_size, enforce_eager=True,
+                   enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                   kv_transfer_config=kv_transfer_config(**pool_config), **engine_args)
+    except BaseException:
+        # NOTE: an engine that fails after its worker built the connector (a refused cache layout)
+        # leaves vLLM's process-wide connector behind, and the next engine here would be refused
+        from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+        raise
 
 
 def _timed(llm, tokens: list[int], salt: str | None = None, logprobs: int = 1):

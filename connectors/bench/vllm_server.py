@@ -219,7 +219,8 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
         for backend in backends:
             pool = None
             if backend == "node":
-                pool = NodePool(1 << max(chunk_bytes - 1, 1).bit_length(), chunks, progress)
+                heads = cfg.num_key_value_heads  # a page a slice: one KV head's chunk (kvpool.slices)
+                pool = NodePool(1 << max(chunk_bytes // heads - 1, 1).bit_length(), chunks * heads, progress)
                 to_close.append(pool)
                 pool.start()
                 config = pool.connector_config()

@@ -129,9 +129,9 @@ def _where(backend: str, ray_address: str | None, redis: str | None) -> str:
 def _pool(spec, names: list[str], dram_chunks: int, backend: str, ray_address: str | None, redis: str | None):
     tenants = [Tenant(n) for n in names]
     if backend == "local":
-        from kvpool.pool import LocalPool
+        from kvpool.connectors.pools import local_pool
 
-        yield LocalPool.create(spec, TenantRegistry(tenants), dram_chunks=dram_chunks)
+        yield local_pool(spec, TenantRegistry(tenants), dram_chunks)
         return
     from kvpool.cluster.local import local_cluster_pool
 

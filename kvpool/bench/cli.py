@@ -21,6 +21,14 @@ def _bench_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_slices(args: argparse.Namespace) -> int:
+    from kvpool.bench import slices
+
+    tps = tuple(int(t) for t in args.tp.split(",") if t)
+    _show(args, slices.run(args.chunks, args.rounds, tps, progress=not args.json), slices.format_table)
+    return 0
+
+
 def _bench_concurrency(args: argparse.Namespace) -> int:
     from kvpool.bench import concurrency
 
@@ -243,17 +251,19 @@ def add_bench_parser(sub) -> None:
     bs = bsub.add_parser("store", help="key hashing and chunk-store put/get vs a plain copy")
     bs.add_argument("--chunks", type=int, default=8, help="chunks per trial (32 MiB each)")
     bs.add_argument("--trials", type=int, default=7)
-    bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_bench_store)
+    bl = bsub.add_parser("slices", help="a TP rank's load from per-head slices vs per-rank slices, side by side")
+    for flag, kw in (("--chunks", dict(type=int, default=8, help="chunks per load (8 MiB each)")),
+                     ("--rounds", dict(type=int, default=7)), ("--tp", dict(default="1,2,8", help="TP sizes of 1,2,4,8"))):
+        bl.add_argument(flag, **kw)
+    bl.set_defaults(func=_bench_slices)
     bc = bsub.add_parser("concurrency", help="most concurrent sessions each eviction strategy sustains")
     bc.add_argument("--hbm-gib", type=float, default=16.0, help="GPU memory for KV (default 16)")
     bc.add_argument("--horizon", type=float, default=600.0, help="simulated seconds per trial (default 600)")
     bc.add_argument("--policy", default="all")
-    bc.add_argument("--json", action="store_true")
     bc.set_defaults(func=_bench_concurrency)
     bi = bsub.add_parser("index", help="prefix lookup latency and publish throughput vs a plain MGET")
     bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
-    bi.add_argument("--json", action="store_true")
     bi.set_defaults(func=_bench_index)
     bd = bsub.add_parser("datapath", help="the data path as engines use it (their node's shard, without Ray) vs "
                          "Mooncake Store, Redis and memcpy in the same run")
@@ -267,7 +277,6 @@ def add_bench_parser(sub) -> None:
     bd.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="the Redis peer (else a redis-server of "
                     "its own); the pool's index is always a redis-server of the run's own")
     bd.add_argument("--rdt", action="store_true", help="probe Ray's direct tensor transport against the object store")
-    bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=_bench_datapath)
     bp = bsub.add_parser("peers", help="put, same-node and cross-process get on Mooncake Store and Redis vs memcpy")
     bp.add_argument("--peers", default="mooncake,redis", help="comma-separated (default mooncake,redis)")
@@ -275,12 +284,10 @@ def add_bench_parser(sub) -> None:
     bp.add_argument("--ops256", type=int, default=200, help="operations per round on 256 KiB chunks (default 200)")
     bp.add_argument("--ops32", type=int, default=8, help="operations per round on 32 MiB chunks (default 8)")
     bp.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="else a redis-server of its own")
-    bp.add_argument("--json", action="store_true")
     bp.set_defaults(func=_bench_peers)
     bk = bsub.add_parser("kernels", help="paged gather/scatter vs a plain copy, quantization, scoring at 32K")
     bk.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     bk.add_argument("--context", type=int, default=32768)
-    bk.add_argument("--json", action="store_true")
     bk.set_defaults(func=_bench_kernels)
     bf = bsub.add_parser("capacity", help="chunks of SmolLM2 one pool holds in each storage format (raw, fp8, int8, "
                          "int4/int2 KIVI)")
@@ -288,20 +295,17 @@ def add_bench_parser(sub) -> None:
     bf.add_argument("--formats", default=",".join(STORAGE_FORMATS), help="comma-separated (default: all)")
     bf.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                     help="the raw KV's dtype (default float32, as kvpool.connectors.demo.smollm2 loads the model)")
-    bf.add_argument("--json", action="store_true")
     bf.set_defaults(func=_bench_capacity)
     bpl = bsub.add_parser("placement", help="where new chunks go: locality + spill vs the hash ring, on a trace")
     bpl.add_argument("--trace", default=os.path.join("..", "shared", "data", "mooncake", "conversation_trace.jsonl"),
                      help="a Mooncake-format trace (default: the published conversation trace, ../shared/data)")
     bpl.add_argument("--nodes", type=int, default=4)
     bpl.add_argument("--capacity", type=int, default=4096, help="chunks each node holds (default 4096)")
-    bpl.add_argument("--json", action="store_true")
     bpl.set_defaults(func=_bench_placement)
     bs = bsub.add_parser("soak", help="concurrent clients on a local multi-node pool: throughput, p99, errors, RSS")
     bs.add_argument("--seconds", type=float, default=600.0, help="measured time after warm-up (default 600)")
     bs.add_argument("--clients", type=int, default=4)
     bs.add_argument("--nodes", type=int, default=2)
-    bs.add_argument("--json", action="store_true")
     bs.set_defaults(func=_bench_soak)
     bx = bsub.add_parser("chaos", help="faults one at a time on a local 3-node pool under verifying load")
     bx.add_argument("--faults", default="", help="comma-separated, default all: shard-kill, local-shard-kill, "
@@ -309,7 +313,6 @@ def add_bench_parser(sub) -> None:
     bx.add_argument("--runs", type=int, default=1, help="times the schedule of faults runs")
     bx.add_argument("--seconds-per-fault", type=float, default=10.0, help="quiet period after each fault")
     bx.add_argument("--clients", type=int, default=3, help="verifying client processes")
-    bx.add_argument("--json", action="store_true")
     bx.set_defaults(func=_bench_chaos)
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
@@ -328,18 +331,15 @@ def add_bench_parser(sub) -> None:
                     "and ranges (default 5; vllm: 1 above 4K tokens)")
     bt.add_argument("--compare-local", action=argparse.BooleanOptionalAction, default=True,
                     help="vllm-server with --backend node: also the in-process pool, in the same run")
-    bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_bench_ttft)
     bw = bsub.add_parser("weights", help="cost of keying a model by its checkpoint (the files fingerprint and the "
                          "sample of the loaded tensors): first start and later ones, beside a plain read")
     bw.add_argument("--size-gib", type=float, default=16.0, help="size of the simulated checkpoint")
     bw.add_argument("--rounds", type=int, default=3)
     bw.add_argument("--dir", default=None, help="where to write it (default /var/tmp)")
-    bw.add_argument("--json", action="store_true")
     bw.set_defaults(func=_bench_weights)
     ba = bsub.add_parser("auth", help="the credential check on lookup, get and put vs the same calls without it")
     ba.add_argument("--calls", type=int, default=400, help="calls per figure (a quarter for 32 MiB chunks)")
-    ba.add_argument("--json", action="store_true")
     ba.set_defaults(func=_bench_auth)
     bs = bsub.add_parser("secure", help="a pool locked by default (Ray token, pool secret) vs an open one, side by "
                          "side: put, same-node get and lookups through the node's shard")
@@ -348,14 +348,12 @@ def add_bench_parser(sub) -> None:
     bs.add_argument("--index", choices=["actor", "redis"], default="actor",
                     help="the pools' index: their own Ray actor (kvpool up's default) or a redis-server each "
                     "(the secured one with kvpool's ACL users, as kvpool up --redis)")
-    bs.add_argument("--json", action="store_true")
     bs.add_argument("--control", action="store_true", help="both pools open: the harness's own noise between "
                     "two equal pools")
     bs.set_defaults(func=_bench_secure)
     bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")
     bl.add_argument("--context", type=int, default=8192)
     bl.add_argument("--rounds", type=int, default=3)
-    bl.add_argument("--json", action="store_true")
     bl.set_defaults(func=_bench_sliding)
     bm = bsub.add_parser("importance", help="the importance policy fed the real model's attention mass vs adaptive "
                          "and lru: hit rate on long documents with a few hot ones")
@@ -366,7 +364,6 @@ def add_bench_parser(sub) -> None:
     bm.add_argument("--capacity", type=int, default=64, help="pool size in chunks (32 tokens each)")
     bm.add_argument("--requests", type=int, default=300)
     bm.add_argument("--seeds", type=int, default=3)
-    bm.add_argument("--json", action="store_true")
     bm.set_defaults(func=_bench_importance)
     bq = bsub.add_parser("quality", help="the lossy storage formats and token eviction against the model's own KV, "
                          "on the real model (SmolLM2-135M) and real text: bytes, perplexity, KL, greedy tokens")
@@ -385,7 +382,7 @@ def add_bench_parser(sub) -> None:
     bq.add_argument("--quick", action="store_true", help="tiny settings (one short passage), for a smoke test")
     bq.add_argument("--plot", nargs="?", const="docs/quality.png", default=None,
                     help="write the plot (PNG) there (default docs/quality.png)")
-    bq.add_argument("--json", action="store_true")
     bq.set_defaults(func=_bench_quality)
     for p in bsub.choices.values():  # --json prints only JSON on stdout: engines, Ray, native code log to stderr
+        p.add_argument("--json", action="store_true", help="the result as JSON on stdout")
         p.set_defaults(func=json_command(p.get_default("func")))

@@ -27,8 +27,9 @@ class NodePool:
     """Every ``tenant`` argument is the tenant's credential on a secured pool (kvpool.auth; the
     shards verify it on every call), its id on an open one."""
 
-    def __init__(self, spec: KVSpec, client: NodeClient, tenants: Sequence[Tenant]) -> None:
-        self._formats = Formats(spec, self._salt)
+    def __init__(self, spec: KVSpec, client: NodeClient, tenants: Sequence[Tenant], *,
+                 keyed_as: KVSpec | None = None) -> None:
+        self._formats = Formats(spec, self._salt, keyed_as)
         self.codec = self._formats.codec()
         pages = [info.get("page_bytes", 0) for info in client.shards.values()]
         if pages:
@@ -37,7 +38,8 @@ class NodePool:
                 self._formats.codec(fmt).check_page(min(pages), f"start the pool with a page size >= {need} "
                                                                 "(kvpool up --page-size) or use smaller chunks")
             if min(pages) >= 2 * need:  # a page holds one chunk: the rest of it is idle
-                log.warning("the pool's pages hold %d B and a chunk of %s (%s) takes %d B: `kvpool up --page-size "
+                log.warning("the pool's pages hold %d B and a payload of %s (%s; a chunk is stored as a slice per KV "
+                            "head) takes %d B: `kvpool up --page-size "
                             "%d` would hold %dx more chunks in the same memory", min(pages), spec.model_id,
                             spec.storage_format, need, need, min(pages) // need)
         self.spec = spec

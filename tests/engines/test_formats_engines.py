@@ -75,7 +75,7 @@ def engines(tmp_path_factory):
 
 def stored_sizes(engines, prompt):
     pool = engines.hf.pool
-    where = pool.addresses("default", pool.keys("default", prompt))
+    where = [a for chunk in pool.addresses("default", pool.keys("default", prompt)) for a in chunk]  # its slices
     return [None if got is None else got.shape[0] for got in pool.store.get_many(where, "default")]
 
 
@@ -85,7 +85,8 @@ def test_vllm_stores_quantized_chunks_and_loads_them_as_transformers_does(engine
     prompt = random_prompt(300, seed=31)  # 4 whole chunks + 44
     cold = engines.vllm(prompt)
     assert cold[2].get("saved_chunks") == 4
-    assert stored_sizes(engines, prompt[: 4 * CHUNK]) == [stored_nbytes(engines.conn.spec)] * 4
+    heads = engines.conn.spec.num_kv_heads  # a slice a head, each quantized on its own
+    assert stored_sizes(engines, prompt[: 4 * CHUNK]) == [stored_nbytes(engines.hf.pool.part.spec)] * 4 * heads
     warm = engines.vllm(prompt)
     assert warm[2].get("loaded_tokens") == 4 * CHUNK and warm[2].get("load_failures", 0) == 0
     tokens, lp, loaded = engines.hf_loaded(prompt)
@@ -99,7 +100,8 @@ def test_vllm_stores_quantized_chunks_and_loads_them_as_transformers_does(engine
 def test_vllm_loads_what_transformers_saved_in_the_format(engines):
     prompt = random_prompt(300, seed=32)
     first = engines.hf.prefill(prompt)
-    assert first.saved_chunks == 4 and stored_sizes(engines, prompt[: 4 * CHUNK]) == [stored_nbytes(engines.hf.spec)] * 4
+    assert first.saved_chunks == 4 and stored_sizes(engines, prompt[: 4 * CHUNK]) == \
+        [stored_nbytes(engines.hf.pool.part.spec)] * 4 * engines.hf.spec.num_kv_heads
     tokens, lp, _ = engines.hf_loaded(prompt)
     warm = engines.vllm(prompt)
     assert warm[2].get("loaded_tokens") == 4 * CHUNK and warm[2].get("saved_chunks", 0) == 0
@@ -134,8 +136,9 @@ def test_sglang_stores_its_pages_quantized_and_loads_them_back():
     keys = ["page-a", "page-b"]
     assert backend.batch_set_v1(keys, torch.arange(32)) == [True, True]
     pool = backend.pool
-    where = pool.addresses("default", backend.chunk_keys(keys))
-    assert [got.shape[0] for got in pool.store.get_many(where, "default")] == [stored_nbytes(backend.spec)] * 2
+    where = [a for chunk in pool.addresses("default", backend.chunk_keys(keys)) for a in chunk]  # its slices
+    assert [got.shape[0] for got in pool.store.get_many(where, "default")] == \
+        [stored_nbytes(pool.part.spec)] * 2 * backend.spec.num_kv_heads
     assert backend.batch_get_v1(keys, torch.arange(32, 64)) == [True, True]
     back = host.kv_buffer[:, :, 32:64]
     codec = ChunkCodec(backend.spec)

@@ -63,7 +63,7 @@ def hf_loaded(hf, tokens):
 
 def stored_sizes(hf, tokens):
     pool = hf.pool
-    where = pool.addresses("default", pool.keys("default", tokens))
+    where = [a for chunk in pool.addresses("default", pool.keys("default", tokens)) for a in chunk]  # its slices
     return [None if got is None else got.shape[0] for got in pool.store.get_many(where, "default")]
 
 
@@ -104,7 +104,7 @@ def test_vllm_and_transformers_read_the_same_quantized_chunks_of_the_real_model(
     one, two = prompts([4 * CHUNK + 20, 4 * CHUNK + 30])  # real English (pydoc), 4 whole chunks each
     cold = vllm_run(llm, conn, one)
     assert cold[2].get("saved_chunks") == 4
-    assert stored_sizes(hf, one[: 4 * CHUNK]) == [stored_nbytes(conn.spec)] * 4  # stored quantized
+    assert stored_sizes(hf, one[: 4 * CHUNK]) == [stored_nbytes(hf.pool.part.spec)] * 4 * conn.spec.num_kv_heads  # quantized
     warm = vllm_run(llm, conn, one)
     assert warm[2].get("loaded_tokens") == 4 * CHUNK and warm[2].get("load_failures", 0) == 0
     tokens, lp, loaded = hf_loaded(hf, one)

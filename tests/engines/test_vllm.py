@@ -190,8 +190,8 @@ def test_failed_load_recomputes_and_reports_blocks(engine):
     cold = engine.run(prompt)
     store = engine.conn.pool.store
     keys = engine.conn.pool.addresses("default", engine.conn.pool.keys("default", prompt[: 4 * CHUNK]))
-    tier, page = store.locate(keys[1])
-    store.slab(tier).page(page)[:64] ^= 0xFF  # chunk 1's bytes no longer match its checksum
+    tier, page = store.locate(keys[1][-1])
+    store.slab(tier).page(page)[:64] ^= 0xFF  # chunk 1's last head slice no longer matches its checksum
     reported = len(engine.worker.worker.failed_history)
     warm = engine.run(prompt)
     g = warm[3]

@@ -76,7 +76,7 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(e
     # now chunk 0's bytes are corrupted: the lookup lists all four, the load fails at once
     pool = scheduler_connector(engine).pool
     keys = pool.addresses("default", pool.keys("default", prompt[: 4 * CHUNK]))
-    tier, page = pool.store.locate(keys[0])
+    tier, page = pool.store.locate(keys[0][0])  # chunk 0's first head slice
     pool.store.slab(tier).page(page)[:64] ^= 0xFF
     failed_before = len(worker_connector().worker.failed_history)
     bad = run(engine, prompt)

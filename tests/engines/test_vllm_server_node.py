@@ -104,13 +104,13 @@ class Pool:
         self.redis.kill()
         self.redis.wait(10)
 
-    def up(self, dram_pages: int = 64) -> None:
+    def up(self, dram_pages: int = 64, tenants: tuple[str, ...] = ("default",)) -> None:
         out, _ = self.head.communicate(timeout=120)
         assert self.head.returncode == 0, out[-3000:]
         r = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "up", "--ray-address", self.address,
                             "--redis", f"redis://127.0.0.1:{self.redis_port}", "--insecure-redis", "--page-size", str(256 << 10),
-                            "--dram-pages", str(dram_pages), "--tenant", "default", "--secret-file", str(self.secret_file),
-                            "--insecure-ray"],
+                            "--dram-pages", str(dram_pages), *(a for t in tenants for a in ("--tenant", t)),
+                            "--secret-file", str(self.secret_file), "--insecure-ray"],
                            env=self.env, capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
@@ -165,10 +165,14 @@ class Pool:
 
 class Server:
     def __init__(self, model: str, workdir, run_dir: str, kv_role: str = "kv_both", name: str = "server",
-                 max_model_len: int = 1024, extra_env: dict | None = None) -> None:
-        credential = Authority(POOL_SECRET).issue("default")  # what the operator hands the engine
+                 max_model_len: int = 1024, extra_env: dict | None = None, tensor_parallel: int = 1,
+                 secrets: dict[str, str] | None = None) -> None:
+        """``secrets``: more tenants, each served to requests whose cache_salt is its request secret."""
+        auth = Authority(POOL_SECRET)  # the operator issues the engine its tenants' credentials
+        tenants = [{"id": "default", "credential": auth.issue("default")}, *(
+            {"id": t, "credential": auth.issue(t), "request_secret": s} for t, s in (secrets or {}).items())]
         pool = {"backend": "node", "pool": "default", "run_dir": run_dir, "timeout_s": 2.0, "chunk_tokens": CHUNK,
-                "tenants": [{"id": "default", "credential": credential}],
+                "tenants": tenants,
                 "degraded": True,  # started before the pool, on purpose (it would fail at start otherwise)
                 "breakeven_margin": 0.0}  # always load a pool hit: this module tests the pool's faults
         self.port = free_port()
@@ -180,7 +184,7 @@ class Server:
                     "HF_HUB_OFFLINE": "1", **(extra_env or {})})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               "--distributed-executor-backend", "mp",
+               "--distributed-executor-backend", "mp", "--tensor-parallel-size", str(tensor_parallel),
                "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
                "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--enable-prompt-tokens-details",
                "--uvicorn-log-level", "warning", "--kv-transfer-config",

@@ -49,9 +49,9 @@ def _close_pools():
     close_local_pools()
 
 
-def make_host(layout, dtype=None):
+def make_host(layout, dtype=None, heads=H):
     dtype = getattr(torch, dtype or LAYOUTS[layout])
-    device_pool = MHATokenToKVPool(size=64, page_size=PAGE, dtype=dtype, head_num=H, head_dim=D, layer_num=L,
+    device_pool = MHATokenToKVPool(size=64, page_size=PAGE, dtype=dtype, head_num=heads, head_dim=D, layer_num=L,
                                    device="cpu", enable_memory_saver=False)
     host = MHATokenToKVPoolHost(device_pool._mha_buffer_info(), 2.0, 0, PAGE, layout, pin_memory=False,
                                 device="cpu", device_capacity_tokens=64, start_layer=0, end_layer=L)
@@ -59,9 +59,9 @@ def make_host(layout, dtype=None):
     return host
 
 
-def make_backend(host, pool, **extra):
+def make_backend(host, pool, tp=(0, 1), **extra):
     """As SGLang's cache controller does it: the factory, then register_mem_pool_host."""
-    cfg = storage_config(extra_config(pool=pool, **extra), layout=host.layout)
+    cfg = storage_config(extra_config(pool=pool, **extra), layout=host.layout, tp=tp)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, host)
     backend.register_mem_pool_host(host)
     return backend
@@ -444,7 +444,7 @@ def test_failures_are_misses_or_false():
     keys = page_keys(2, start=20)
     assert backend.batch_set_v1(keys, slots([1, 2])) == [True, True]
     store = backend.pool.store
-    tier, page = store.locate(backend.pool.addresses(backend.tenant, backend.chunk_keys(keys))[1])
+    tier, page = store.locate(backend.pool.addresses(backend.tenant, backend.chunk_keys(keys))[1][-1])  # a slice
     store.slab(tier).page(page)[7] ^= 0x10
     before = host.kv_buffer.clone()
     assert backend.batch_get_v1(keys, slots([8, 9])) == [True, False]
@@ -479,3 +479,30 @@ def test_unsupported_host_pools():
         assert "--hicache-mem-layout" in str(e)
     else:
         raise AssertionError("a page_head host pool was accepted")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallel: pages any TP size reads
+
+
+@pytest.mark.parametrize("writer,reader", [(1, 2), (2, 1)])
+def test_pages_saved_at_one_tp_size_load_at_another(writer, reader):
+    """Each rank stores its heads' slices of a page, keyed without its TP rank or size: a reader at
+    another TP size finds every page and reads back exactly its heads; a page one rank of the
+    writer did not store is a miss for every reader."""
+    layout, kvl = "page_first", sglang_layout("page_first")
+    hosts = {tp: [make_host(layout, heads=H // tp) for _ in range(tp)] for tp in (1, 2)}
+    backends = {tp: [make_backend(h, "tp", tp=(r, tp)) for r, h in enumerate(hosts[tp])] for tp in (1, 2)}
+    assert backends[1][0].spec.fingerprint() == backends[2][1].spec.fingerprint()  # no TP in the keys
+    keys = page_keys(3, start=40 + writer)
+    whole = gather(hosts[1][0].kv_buffer, slots([1, 2, 3]), kvl) if writer == 1 else torch.cat(
+        [gather(h.kv_buffer, slots([1, 2, 3]), kvl) for h in hosts[2]], dim=-2)  # [L, 2, T, H, D]
+    for i, b in enumerate(backends[writer]):
+        if i == len(backends[writer]) - 1:  # before the writer's last rank saves: no page is whole
+            assert all(r.batch_exists(keys) == 0 for r in backends[reader])
+        assert b.batch_set_v1(keys, slots([1, 2, 3])) == [True] * 3  # this rank's part of each page is stored
+    for r, (host, b) in enumerate(zip(hosts[reader], backends[reader])):
+        assert b.batch_exists(keys) == 3
+        assert b.batch_get_v1(keys, slots([10, 11, 12])) == [True] * 3
+        per = H // reader
+        assert torch.equal(gather(host.kv_buffer, slots([10, 11, 12]), kvl), whole[..., r * per:(r + 1) * per, :])
