@@ -44,7 +44,7 @@ def add_up_parser(sub, func) -> None:
                    help="the KV cache's dtype (default: the config's dtype, else float16); with --model")
     u.add_argument("--storage-format", choices=STORAGE_FORMATS, default="raw",
                    help="how engines store chunks (default raw; the others are lossy, smaller); with --model")
-    u.add_argument("--page-size", help=f"bytes per chunk page (overrides --model; default {DEFAULT_PAGE} "
+    u.add_argument("--page-size", help=f"bytes per page, one KV head's slice of a chunk (overrides --model; default {DEFAULT_PAGE} "
                    "without --model)")
     dram = u.add_mutually_exclusive_group()
     dram.add_argument("--dram", help=f"DRAM tier per shard: bytes (64GiB) or a share of the node's memory (25%%); "
