@@ -229,12 +229,20 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None, slicing: Slici
                     store.tenants.add(t)
         return SlicedPool(LocalPool(spec, store, pool_authority(cfg), keyed_as=whole), whole, slicing)
     from kvpool.node.client import NodeClient  # NOTE: no Ray on this path: the engine never joins the cluster
-    from kvpool.node.pool import NodePool
 
     client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
                         timeout_s=float(cfg.get("timeout_s", 2.0)))
     _node_answers(client, cfg)
-    return SlicedPool(NodePool(spec, client, tenants, keyed_as=whole), whole, slicing)
+    return node_pool(whole, client, tenants, slicing)
+
+
+def node_pool(spec: KVSpec, client, tenants, slicing: Slicing | None = None) -> SlicedPool:
+    """A rank's pool of ``spec``'s chunks (``slicing``; default the whole model) over an open
+    ``NodeClient``, stored as slices (tools that hold a client of their own: warm-up)."""
+    from kvpool.node.pool import NodePool
+
+    slicing = slicing or Slicing.of(spec)
+    return SlicedPool(NodePool(slicing.slice_spec(spec), client, list(tenants), keyed_as=spec), spec, slicing)
 
 
 def local_pool(spec: KVSpec, tenants: TenantRegistry, chunks: int, *, authority: Authority | None = None,
@@ -254,15 +262,13 @@ def as_sliced(pool) -> SlicedPool:
         return pool
     from kvpool.node.pool import NodePool
 
-    slicing = Slicing.of(pool.spec)
-    part_spec = slicing.slice_spec(pool.spec)
-    if isinstance(pool, LocalPool):
-        part = LocalPool(part_spec, pool.store, pool.auth, keyed_as=pool.spec)
-    elif isinstance(pool, NodePool):
-        part = NodePool(part_spec, pool.client, list(pool._tenants.values()), keyed_as=pool.spec)
-    else:
+    if isinstance(pool, NodePool):
+        return node_pool(pool.spec, pool.client, pool._tenants.values())
+    if not isinstance(pool, LocalPool):
         raise BadRequest(f"a connector's pool is a LocalPool, a NodePool or one open_pool made, not {type(pool).__name__}")
-    return SlicedPool(part, pool.spec, slicing)
+    slicing = Slicing.of(pool.spec)
+    return SlicedPool(LocalPool(slicing.slice_spec(pool.spec), pool.store, pool.auth, keyed_as=pool.spec), pool.spec,
+                      slicing)
 
 
 def _node_answers(client, cfg: dict[str, Any]) -> None:

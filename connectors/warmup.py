@@ -99,8 +99,8 @@ def warm_here(entries: list[dict], model: str, model_id: str | None, chunk_token
 
     from kvpool.connectors.hf import HFConnector
     from kvpool.connectors.hf_model import model_spec
+    from kvpool.connectors.pools import node_pool
     from kvpool.node.client import NodeClient
-    from kvpool.node.pool import NodePool
     from kvpool.node.probe import wait_until_up
     from kvpool.tenants import Tenant
 
@@ -113,10 +113,10 @@ def warm_here(entries: list[dict], model: str, model_id: str | None, chunk_token
         why = wait_until_up(client, 10.0)
         if why is not None:
             raise Unavailable(f"warm-up needs the pool's shard on this node: {why}")
-        node_pool = NodePool(spec, client, [Tenant(t) for t in sorted({e["tenant"] for e in entries})])
-        if node_pool.secured and not all("credential" in e for e in entries):
+        pool = node_pool(spec, client, [Tenant(t) for t in sorted({e["tenant"] for e in entries})])
+        if pool.secured and not all("credential" in e for e in entries):
             entries = with_credentials(entries)
-        return warmup(HFConnector(m, node_pool), entries, pin=pin, progress=progress)
+        return warmup(HFConnector(m, pool), entries, pin=pin, progress=progress)
     finally:
         client.close()
 

@@ -26,7 +26,9 @@ TP=1 and vLLM at TP=2 read each other's chunks.
 
 Cost against per-rank slices (what Mooncake Store and LMCache keep): the same bytes moved per rank,
 ``H`` index entries per chunk and stage instead of ``tp``, and, for a rank that holds more than one
-head, one more copy on a load (its slices merged into its heads' chunk, ``docs/benchmarks.md``).
+head, a verification and a copy call per head (the vLLM worker scatters each slice straight into
+its head: 1.17-1.23x of a per-rank load; ``load`` merges them into one chunk of the rank's heads,
+1.5-1.6x; ``kvpool bench slices``, docs/benchmarks.md).
 The store's hit and miss token counts are per slice (a chunk of ``H`` heads counts ``H`` times).
 """
 
@@ -156,14 +158,6 @@ class Slicing:
                              f" layers and {n} heads")
         return [chunk[..., i: i + 1, :].contiguous() for i in range(n)]
 
-    def merge(self, slices: Sequence) -> object:
-        """The inverse of :meth:`split`: this rank's heads of a chunk, from its slices in order."""
-        if len(slices) != len(self.heads):
-            raise BadRequest(f"{len(slices)} slices for {len(self.heads)} heads")
-        import torch
-
-        return torch.cat(list(slices), dim=-2)
-
 
 class SlicedPool:
     """A pool (``LocalPool`` or ``NodePool``) that stores a rank's chunks as :class:`Slicing`'s slices:
@@ -244,10 +238,16 @@ class SlicedPool:
         return -(-stored // n)
 
     def load(self, tenant: str, keys: Sequence[ChunkKey]) -> list:
-        """The leading run of this rank's chunks whose slices are stored and verify."""
-        got = self.part.load(tenant, self.slicing.keys(list(keys)))
-        n = self._n
-        return [got[i] if n == 1 else self.slicing.merge(got[i: i + n]) for i in range(0, len(got) - n + 1, n)]
+        """The leading run of this rank's chunks whose slices are stored and verify, each in memory
+        of its own (a rank of several heads: each slice copied once, from its verified page into its
+        head of the chunk)."""
+        if self._n == 1:
+            return self.part.load(tenant, self.slicing.keys(list(keys)))
+        out = []
+        for view in self.load_views(tenant, keys):
+            with view:
+                out.append(view.kv)
+        return out
 
     def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator:
         """:meth:`load` as views (``part.load_views``): a rank of one head gets the part's own views;

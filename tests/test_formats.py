@@ -190,7 +190,7 @@ def test_the_connector_stores_quantized_chunks_and_runs_on_their_dequantized_kv(
     assert [s.shape[0] for s in stored] == [stored_nbytes(conn.pool.part.spec)] * 3 * conn.spec.num_kv_heads
     raw = conn._chunks_from_cache(cold.cache, 0, 3)
     sl, part = conn.pool.slicing, conn.pool.part.spec  # each head's slice quantized on its own
-    expect = [sl.merge([dequantize(quantize(s, fmt, impl="torch", **pool_params(part))) for s in sl.split(c)])
+    expect = [torch.cat([dequantize(quantize(s, fmt, impl="torch", **pool_params(part))) for s in sl.split(c)], dim=-2)
               for c in raw]
     loaded = conn.pool.load("a", keys)
     assert all(torch.equal(a, b) for a, b in zip(loaded, expect))
