@@ -206,3 +206,38 @@ def test_a_node_without_room_spills_to_the_one_with_room(pool):  # last: it fill
         idx.close()
     assert c.counts["put_forwarded"] >= 1
     c.close()
+
+
+def test_a_tp2_engine_on_one_node_loads_the_slices_a_tp1_engine_saved_on_the_other(pool):
+    """Chunks stored as per-head slices (kvpool.slices) through the node path: a TP=1 writer on one
+    node, both ranks of a TP=2 reader on the other, each loading exactly its heads through the
+    shard's peer port; a lookup counts a chunk only when every slice is listed."""
+    import torch
+
+    from kvpool.connectors.pools import node_pool, spec_for
+    from kvpool.slices import Slicing
+    from kvpool.tenants import Tenant
+
+    spec = spec_for("node-path-tp", 2, 4, 32, "float32", chunk_tokens=32)  # a slice: 16 KiB, a page each
+    tenants = [Tenant("a")]
+    writer_client, reader_client = client(pool, "other"), client(pool, "head")
+    writer = node_pool(spec, writer_client, tenants)
+    readers = [node_pool(spec, reader_client, tenants, Slicing.of(spec, 2, r)) for r in (0, 1)]
+    tokens = list(range(5000, 5000 + 3 * spec.chunk_tokens))
+    keys = writer.keys("a", tokens)
+    assert all(r.keys("a", tokens) == keys for r in readers)
+    g = torch.Generator().manual_seed(17)
+    chunks = [torch.randn(spec.chunk_shape, generator=g) for _ in keys]
+    assert writer.save("a", keys[:2], chunks[:2]) == 2
+    wait_for(lambda: readers[1].lookup("a", keys) == 2 * spec.chunk_tokens, 5, what="the index lists the slices")
+    for r, reader in enumerate(readers):
+        want = [c[..., 2 * r: 2 * r + 2, :] for c in chunks[:2]]
+        got = []
+        for view in reader.load_views_in_place("a", keys):
+            with view:
+                got.append(view.kv.clone())
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(torch.equal(a, b) for a, b in zip(reader.load("a", keys), want))
+    assert reader_client.counts["get_remote"] >= 1  # they came from the other node
+    writer_client.close()
+    reader_client.close()
