@@ -241,3 +241,23 @@ def test_a_tp2_engine_on_one_node_loads_the_slices_a_tp1_engine_saved_on_the_oth
     assert reader_client.counts["get_remote"] >= 1  # they came from the other node
     writer_client.close()
     reader_client.close()
+
+
+def test_runs_longer_than_one_call_go_in_batches(pool, monkeypatch):
+    """A lookup, read, write or pin of more keys than one call carries (a long prompt's per-head
+    slices) goes batch by batch: here batches of 2 (instead of 2048), against the real shards."""
+    from kvpool.node import client as node_client
+
+    monkeypatch.setattr(node_client, "BATCH", 2)
+    writer, reader = client(pool, "other"), client(pool, "head")
+    keys = make_keys(5, seed=41)
+    data = [payload(60 + i, PAGE) for i in range(5)]
+    assert writer.put("a", keys[:4], data[:4]) == 4  # two batches
+    wait_for(lambda: reader.lookup("a", keys).count == 4, 5, what="the index lists all four, batch by batch")
+    assert reader.lookup("a", keys).shards == (pool["other"],) * 4
+    got = reader.get("a", keys)  # the other node's chunks, two calls, then a miss
+    assert [bytes(g) for g in got] == [bytes(d) for d in data[:4]]
+    assert reader.lookup("a", [keys[4], *keys[:4]]).count == 0  # a miss in the first batch ends the run
+    assert writer.pin("a", keys[:4]) == 0  # two calls, each answered (the default policy pins nothing)
+    writer.close()
+    reader.close()

@@ -42,7 +42,9 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
 def _bench_index(args: argparse.Namespace) -> int:
     from kvpool.bench import index
 
-    result = index.run(args.redis, progress=not args.json)
+    if args.keys < 1 or args.reps < 1:
+        raise BadRequest("--keys and --reps are at least 1")
+    result = index.run(args.redis, prompt_chunks=args.keys, reps=args.reps, progress=not args.json)
     _show(args, result, index.format_table)
     return 0
 
@@ -264,6 +266,9 @@ def add_bench_parser(sub) -> None:
     bc.set_defaults(func=_bench_concurrency)
     bi = bsub.add_parser("index", help="prefix lookup latency and publish throughput vs a plain MGET")
     bi.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    bi.add_argument("--keys", type=int, default=512, help="keys a lookup (512: a 128K prompt's chunks; 4096: its "
+                    "slices, 8 KV heads)")
+    bi.add_argument("--reps", type=int, default=2000)
     bi.set_defaults(func=_bench_index)
     bd = bsub.add_parser("datapath", help="the data path as engines use it (their node's shard, without Ray) vs "
                          "Mooncake Store, Redis and memcpy in the same run")

@@ -40,6 +40,8 @@ from kvpool.node.checks import RAISED, check_put
 from kvpool.node.connection import NodeConnection
 from kvpool.node.staging import STAGE_BYTES
 
+BATCH = m.MAX_KEYS  # keys one call carries; longer runs go in batches
+
 log = logging.getLogger("kvpool.node")
 
 
@@ -95,7 +97,16 @@ class NodeClient(NodeConnection):
 
     def lookup(self, credential: str, keys: Sequence[ChunkKey]) -> PrefixHit:
         """The leading run of ``keys`` held in the pool: this node's table first (no call when it
-        holds them all), then the pool's index through the shard."""
+        holds them all), then the pool's index through the shard; a run longer than one call takes
+        (``BATCH`` keys) is asked batch by batch while it lasts."""
+        if len(keys) > BATCH:
+            count, shards = 0, ()
+            for i in range(0, len(keys), BATCH):
+                part = self.lookup(credential, keys[i : i + BATCH])
+                count, shards = count + part.count, shards + tuple(part.shards)
+                if part.count < len(keys[i : i + BATCH]) or part.error:
+                    return PrefixHit(count, shards, error=part.error)
+            return PrefixHit(count, shards)
         at = self._attached()
         local = self._local_run(at, credential, keys)
         sid = at.info["shard"] if at is not None else ""
@@ -114,8 +125,10 @@ class NodeClient(NodeConnection):
 
     def begin(self, credential: str, keys: Sequence[ChunkKey], priority: str | None = None,
               hit: PrefixHit | None = None) -> NodeRequest:
-        """Leases the leading run of a request's cached chunks on their shards until ``end``. Best
-        effort: a shard that does not answer leaves them unleased (a later miss at worst)."""
+        """Leases the leading run of a request's cached chunks on their shards until ``end`` (at most
+        ``BATCH`` of them). Best effort: a shard that does not answer leaves them unleased (a later
+        miss at worst)."""
+        keys = keys[:BATCH]
         try:
             r, _ = self.call(m.Begin(credential, _raw(keys), is_shared(keys), priority))
         except KvPoolError as e:
@@ -135,8 +148,11 @@ class NodeClient(NodeConnection):
         request.shard_requests = {}
 
     def pin(self, credential: str, keys: Sequence[ChunkKey]) -> int:
-        r, _ = self.call(m.Pin(credential, _raw(keys), is_shared(keys)))
-        return int(r)
+        pinned = 0
+        for i in range(0, len(keys), BATCH):
+            r, _ = self.call(m.Pin(credential, _raw(keys[i : i + BATCH]), is_shared(keys)))
+            pinned += int(r)
+        return pinned
 
     def report(self, name: str, figures: dict, credential: str | None = None) -> None:
         """Sends a connector's figures to the pool (fire and forget: an engine's scheduler calls
@@ -158,7 +174,14 @@ class NodeClient(NodeConnection):
             first_position: int = 0, request: NodeRequest | None = None) -> int:
         """Stores the chunks (this node's slab when it has room, else the rest of the pool); how
         many were stored. Bad input, a refused credential and the tenant's 429 raise; a shard that
-        is down or slow stores nothing (counted: ``put_failed``)."""
+        is down or slow stores nothing (counted: ``put_failed``). More than one call takes
+        (``BATCH``) go in batches, each after the one before."""
+        if len(keys) > BATCH:
+            if len(payloads) != len(keys):
+                check_put(keys, [as_byte_array(p) for p in payloads], shared)  # the same error as one batch
+            return sum(self.put(credential, keys[i : i + BATCH], payloads[i : i + BATCH], shared=shared,
+                                first_position=first_position + i, request=request)
+                       for i in range(0, len(keys), BATCH))
         arrays = [as_byte_array(p) for p in payloads]
         raw = check_put(keys, arrays, shared)
         at = self._attached()
@@ -238,17 +261,28 @@ class NodeClient(NodeConnection):
         n = len(out)
         if n == len(keys) or local_only or (hit is not None and hit.count <= n):
             return out
+        while n < len(keys):  # the rest through the shard, at most BATCH keys a call
+            end = min(len(keys), n + BATCH)
+            got = self._get_remote(credential, keys, n, end, hit, None if dsts is None else dsts[n:end])
+            out.extend(got)
+            if len(got) < end - n:
+                break
+            n = end
+        return out
+
+    def _get_remote(self, credential: str, keys: Sequence[ChunkKey], n: int, end: int, hit: PrefixHit | None,
+                    rest) -> list[np.ndarray]:
+        """``keys[n:end]``'s leading run through the shard (one call)."""
         try:
-            rest = None if dsts is None else dsts[n:]
-            shards = list(hit.shards[n: hit.count]) if hit is not None and hit.count > n else None  # the lookup's
-            r, got = self.call(m.Get(credential, _raw(keys[n:]), is_shared(keys), shards), outs=rest,
+            shards = list(hit.shards[n: min(end, hit.count)]) if hit is not None and hit.count > n else None
+            r, got = self.call(m.Get(credential, _raw(keys[n:end]), is_shared(keys), shards), outs=rest,
                                prepare=lambda ch, msg, d: (self._stage(ch, d, msg.credential), msg)[1], after=self._unstage(rest))
             count = int(r["count"])
-            out.extend(got[:count])
             if count:
                 self.counts["get_remote"] += 1
+            return got[:count]
         except KvPoolError as e:
             if e.status in (401, 403):
                 raise
             self.counts["get_failed"] += 1
-        return out
+            return []
