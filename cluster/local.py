@@ -56,9 +56,9 @@ def local_cluster_pool(spec, tenants, dram_chunks: int, address: str | None = No
 
     from kvpool.cluster.bootstrap import down, shard_id_of, up
     from kvpool.codec import stored_nbytes
+    from kvpool.connectors.pools import node_pool
     from kvpool.node.client import NodeClient
-    from kvpool.node.pool import NodePool
-    from kvpool.slices import SlicedPool, Slicing
+    from kvpool.slices import Slicing
 
     ns = "kvpool-demo"
     if address:
@@ -75,7 +75,7 @@ def local_cluster_pool(spec, tenants, dram_chunks: int, address: str | None = No
                   "storage_format": spec.storage_format},
            tenants=[{"id": t.id} for t in tenants], namespace=ns, index_url=index_url)
         opened = NodeClient(shard=shard_id_of(ray.get_runtime_context().get_node_id()), timeout_s=10.0)
-        yield SlicedPool(NodePool(part, opened, tenants, keyed_as=spec), spec, slicing)
+        yield node_pool(spec, opened, tenants, slicing)
     finally:
         if opened is not None:
             opened.close()

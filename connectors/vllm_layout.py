@@ -52,10 +52,11 @@ _OTHER_ISA_FIX = ("KVPoolConnector's CPU path reads vLLM's x86 CPU attention onl
 class KernelCopier:
     """kvpool's paged gather/scatter over vLLM's per-layer caches, in the layout of their device."""
 
-    def __init__(self, caches: list[torch.Tensor]) -> None:
+    def __init__(self, caches: list[torch.Tensor], bound: BoundCache | None = None) -> None:
         self.caches = caches
         self.layout = vllm_layout(caches[0].device)
-        self.bound = BoundCache(caches, self.layout)  # the views, made once; BadRequest on a cache it cannot read
+        # the views, made once; BadRequest on a cache it cannot read
+        self.bound = bound if bound is not None else BoundCache(caches, self.layout)
         geo = self.bound.geo
         self.block_size, self.kv_heads, self.head_dim = geo.block_size, geo.kv_heads, geo.head_dim
         self.device, self.dtype = geo.device, geo.dtype
@@ -63,12 +64,7 @@ class KernelCopier:
 
     def heads(self, first: int, end: int) -> "KernelCopier":
         """This copier through the cache's heads ``first..end-1`` only (a pool slice's head)."""
-        out = object.__new__(KernelCopier)
-        out.caches, out.layout, out.name = self.caches, self.layout, self.name
-        out.bound = self.bound.heads(first, end)
-        out.block_size, out.kv_heads, out.head_dim = self.block_size, end - first, self.head_dim
-        out.device, out.dtype = self.device, self.dtype
-        return out
+        return KernelCopier(self.caches, self.bound.heads(first, end))
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         return self.bound.gather(slots.to(self.device))

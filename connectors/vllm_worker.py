@@ -137,10 +137,12 @@ class PoolWorker:
         try:
             with closing(self._chunks(req, c0, c1)) as slices:
                 for j, h, view in slices:
-                    a, b, off = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
+                    if h == 0:  # a new chunk: its tokens' slots, once for all its heads
+                        a, b, off = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
+                        slots = self._run_slots(req, a, b)
                     with view:  # released right after its copy, also when the copy fails
                         kv = view.kv if (a, b) == (off, off + c) else view.kv[:, :, a - off : b - off]
-                        self.head_copiers[h].scatter(kv, self._run_slots(req, a, b))  # straight into its head
+                        self.head_copiers[h].scatter(kv, slots)  # straight into its head
                     if h == last:  # the chunk's every head is in: its tokens are loaded
                         done = b
         except Exception as e:  # noqa: BLE001 - any failure on the read path is a miss

@@ -252,7 +252,7 @@ class SlicedPool:
     def load_views(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator:
         """:meth:`load` as views (``part.load_views``): a rank of one head gets the part's own views;
         a rank of more gets each chunk merged into memory of its own."""
-        return self._views(self.part.load_views(tenant, self.slicing.keys(list(keys))), reuse=False)
+        return self._views(self._slices(self.part.load_views, tenant, keys), reuse=False)
 
     def load_views_in_place(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator:
         """:meth:`load_views` for a caller that copies each chunk out and releases it before asking
@@ -260,8 +260,7 @@ class SlicedPool:
         whose release raises, having changed while read, fails the load of its chunk). A rank of
         more than one head gets each chunk merged into one of two buffers this thread reuses (no
         fresh pages per load), valid until it asks for the view after next."""
-        read = getattr(self.part, "load_views_in_place", self.part.load_views)
-        return self._views(read(tenant, self.slicing.keys(list(keys))), reuse=True)
+        return self._views(self.load_slices_in_place(tenant, keys), reuse=True)
 
     def load_slices_in_place(self, tenant: str, keys: Sequence[ChunkKey]) -> Iterator[tuple[int, int, object]]:
         """(chunk, head of this rank, view) of each of this rank's slices of the leading chunks, in
@@ -269,7 +268,9 @@ class SlicedPool:
         merged chunk in between) and releases it before asking for the next (a release that raises
         fails the load from that chunk on). The run stops at the first slice missing or failing its
         checksum: a chunk not all of whose heads came is not loaded."""
-        read = getattr(self.part, "load_views_in_place", self.part.load_views)
+        return self._slices(getattr(self.part, "load_views_in_place", self.part.load_views), tenant, keys)
+
+    def _slices(self, read, tenant: str, keys: Sequence[ChunkKey]) -> Iterator[tuple[int, int, object]]:
         views = read(tenant, self.slicing.keys(list(keys)))
         try:
             for i, view in enumerate(views):
@@ -277,33 +278,25 @@ class SlicedPool:
         finally:
             views.close()
 
-    def _views(self, views: Iterator, reuse: bool) -> Iterator:
+    def _views(self, slices: Iterator, reuse: bool) -> Iterator:
+        """Each chunk whose every slice came, its slices merged into one tensor of the rank's heads
+        (a rank of one head: the slice's own view)."""
         from kvpool.pool import OwnedChunk
 
-        n, j = self._n, 0
+        last, out = self._n - 1, None
         try:
-            if n == 1:
-                yield from views
-                return
-            while True:
-                first = next(views, None)
-                if first is None:
-                    return
-                out = self._buffer(first.kv, j % 2 if reuse else None)
-                view, h = first, 0
-                while True:
-                    with view:  # released (verified, for a view in place) once copied
-                        out[..., h: h + 1, :].copy_(view.kv)
-                    h += 1
-                    if h == n:
-                        break
-                    view = next(views, None)
-                    if view is None:
-                        return  # a chunk short of a slice: the run ends before it
-                j += 1
-                yield OwnedChunk(out)
+            for j, h, view in slices:
+                if not last:
+                    yield view
+                    continue
+                if h == 0:
+                    out = self._buffer(view.kv, j % 2 if reuse else None)
+                with view:  # released (verified, for a view in place) once copied
+                    out[..., h: h + 1, :].copy_(view.kv)
+                if h == last:
+                    yield OwnedChunk(out)
         finally:
-            views.close()
+            slices.close()
 
     def _buffer(self, kv, which: int | None):
         import torch
