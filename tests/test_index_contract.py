@@ -1,5 +1,6 @@
-"""One contract, two implementations: every test here runs on the embedded index and on RedisIndex
-against the real Redis server."""
+"""One contract, three implementations: every test here runs on the embedded index, on RedisIndex
+against the real Redis server, and on ActorIndex over a real Ray actor holding the embedded index
+(a locked one: the pool's credential)."""
 
 import time
 import uuid
@@ -25,7 +26,15 @@ class Clock:
         self.t += seconds
 
 
-@pytest.fixture(params=["embedded", "redis"])
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from kvpool.cluster.local import local_cluster
+
+    with local_cluster(1, namespace=f"idx{uuid.uuid4().hex[:8]}") as c:
+        yield c
+
+
+@pytest.fixture(params=["embedded", "redis", "actor"])
 def index(request):
     # ``index.sleep(s)``: lets s seconds of the index's clock pass.
     if request.param == "embedded":
@@ -33,6 +42,20 @@ def index(request):
         idx = EmbeddedIndex(clock=clock)
         idx.sleep = clock.advance
         yield idx
+        return
+    if request.param == "actor":
+        import ray
+
+        from kvpool.auth import Authority
+        from kvpool.cluster.index_actor import ActorIndex, IndexActor
+
+        request.getfixturevalue("ray_cluster")
+        auth = Authority(b"index-contract-secret-0123456789abcdef")
+        handle = IndexActor.options(runtime_env={"env_vars": auth.secret_file_env()}).remote()
+        idx = ActorIndex(handle, timeout_s=30.0, credential=auth.pool_credential())
+        idx.sleep = time.sleep  # the actor's clock is real
+        yield idx
+        ray.kill(handle)
         return
     url = request.getfixturevalue("redis_url")
     idx = RedisIndex(url, prefix=f"kvpt{uuid.uuid4().hex[:12]}")
