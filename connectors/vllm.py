@@ -7,7 +7,8 @@ process, for tests: it dies with the engine.) ``kv_transfer_config(**pool_config
 The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
 ``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
 checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
-share; sliding-window, hybrid and MLA models are refused at start. Tensor- and pipeline-parallel
+share; hybrid (state-space, linear-attention) and MLA models are refused at start, sliding-window
+models served (the window's tail loaded, each chunk saved while vLLM still holds its blocks). Tensor- and pipeline-parallel
 engines: the spec is the whole model's and each rank saves and loads its own heads' and layers'
 slices (:mod:`kvpool.connectors.vllm_spec`, :mod:`kvpool.slices`), so any TP size reads them. A lossy ``"storage_format"``
 (opt-in) is quantized by the worker's saves and dequantized by its loads; the format is in the key.
@@ -55,7 +56,7 @@ from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.pools import PoolHealth, Reporter, open_pool
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of, split_config
-from kvpool.connectors.vllm_spec import model_spec, rank_slicing
+from kvpool.connectors.vllm_spec import group_window, model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.errors import BadRequest
 
@@ -137,7 +138,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.reporter = (Reporter(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.figures)
                          if role == KVConnectorRole.SCHEDULER else None)
         self.worker = (PoolWorker(self.pool, self.slicing.rank_spec(self.spec), self.block_size, vllm_config,
-                                  saves=self.saves)
+                                  saves=self.saves, window=group_window(kv_cache_config))
                        if role == KVConnectorRole.WORKER else None)
 
     requires_kv_delivery = False  # a dropped save is a future miss, never lost data

@@ -6,9 +6,12 @@ per-rank count vLLM's cache spec gives), so its chunk keys are the same at every
 pipeline-parallel size, and the same transformers and SGLang make. Each rank stores and loads
 its own part as per-head slices (:mod:`kvpool.slices`): its heads as vLLM splits them over the TP
 group (replicated heads stored once), its pipeline stage's layers (``get_pp_indices``, the split
-vLLM's models use). Refused at start: models whose KV the pool does not store (sliding-window and
-hybrid groups, latent attention), and decode context parallelism (a rank holds some of the
-tokens, not a head slice).
+vLLM's models use). A model whose layers all slide gets one sliding-window group, whose blocks
+vLLM frees as they leave the window: the worker saves each chunk in the step that completes it
+and loads only the window's tail (:func:`group_window`). Refused at start: models whose KV the
+pool does not store (state-space and linear-attention groups, latent attention), a window
+shorter than a chunk, and decode context parallelism (a rank holds some of the tokens, not a
+head slice).
 """
 
 from __future__ import annotations
@@ -44,15 +47,27 @@ def model_spec(vllm_config, kv_cache_config, pool_config: dict[str, Any], own: d
         raise UnsupportedModel(
             f"KVPoolConnector: {mc.model} uses multi-head latent attention ({names}); the pool does not store "
             "vLLM's latent KV yet. Serve it without --kv-transfer-config, or through the transformers connector")
-    if len(groups) != 1 or names != ["FullAttentionSpec"]:
-        # NOTE: vLLM frees a sliding layer's blocks once they leave the window, so the
-        # whole-prompt chunks this connector saves and loads would hold blocks vLLM no longer
-        # has (save) or place KV where vLLM's hybrid manager expects none (load).
+    if len(groups) != 1 or names[0] not in ("FullAttentionSpec", "SlidingWindowSpec"):
+        # NOTE: vLLM's hybrid allocator is off with this connector (it does not declare
+        # SupportsHMA), so a model of sliding and full layers comes as one full-attention group;
+        # what is left here is a model of state-space or linear-attention layers.
         raise UnsupportedModel(
             f"KVPoolConnector: {mc.model} has KV cache groups {names} (layer kinds "
-            f"{sorted(set(kinds))}); the connector serves one full-attention group only: sliding-window and "
-            "hybrid models run in vLLM without the pool (or through the transformers connector, which serves "
-            "them)")
+            f"{sorted(set(kinds))}); the connector serves one attention group (full, or sliding-window): "
+            "hybrid models run in vLLM without the pool")
+    window = group_window(kv_cache_config)
+    if window is not None and not all(k.startswith("sliding:") for k in kinds):
+        raise UnsupportedModel(f"KVPoolConnector: vLLM pages {mc.model} as one sliding-window group but its config "
+                               f"names layers {sorted(set(kinds))}: the pool cannot tell which blocks vLLM keeps")
+    chunk_tokens = int(pool_config.get("chunk_tokens", 256))
+    if window is not None and window < chunk_tokens:
+        # NOTE: vLLM frees a sliding layer's blocks once they leave the window; a chunk longer
+        # than the window can lose its first blocks before its last token is computed, and
+        # could then not be saved whole.
+        raise UnsupportedModel(
+            f"KVPoolConnector: {mc.model}'s sliding window ({window} tokens) is shorter than a pool chunk "
+            f"(chunk_tokens={chunk_tokens}): set kv_connector_extra_config['chunk_tokens'] to at most {window} "
+            f"(a multiple of the block size), or serve it without the pool")
     par = vllm_config.parallel_config
     if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
         raise BadRequest("KVPoolConnector: with context parallelism a rank holds some of a prompt's tokens, not a "
@@ -74,9 +89,19 @@ def model_spec(vllm_config, kv_cache_config, pool_config: dict[str, Any], own: d
     # attention (a window no shorter than max_model_len): the KV is the same, and the spec
     # then equals the one transformers gives the same checkpoint.
     return spec_for(str(own.get("model_id") or mc.model), layers, heads, ks.head_size, dtype,
-                    chunk_tokens=int(pool_config.get("chunk_tokens", 256)), block_size=ks.block_size,
+                    chunk_tokens=chunk_tokens, block_size=ks.block_size,
                     revision=revision, weights=weights, layer_kinds=kinds, engine=engine_scope(mc.hf_config, "vllm"),
                     storage_format=pool_config.get("storage_format", "raw"))
+
+
+def group_window(kv_cache_config) -> int | None:
+    """The tokens vLLM keeps of its one KV cache group's sliding window (None: full attention):
+    it frees a request's blocks that fall out of them (kvpool.connectors.vllm_worker loads only
+    the tail, and saves a chunk while its blocks are there)."""
+    ks = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    window = getattr(ks, "sliding_window", None) if type(ks).__name__ == "SlidingWindowSpec" else None
+    # the blocks vLLM keeps: the window and the extra trailing tokens speculative decoding retains
+    return None if window is None else int(window) + int(getattr(ks, "extra_retained_tokens", 0) or 0)
 
 
 def rank_slicing(vllm_config, spec: KVSpec, worker: bool) -> Slicing:

@@ -3,7 +3,8 @@
 It keeps, per request in flight, the chunk keys of its prompt, its block ids and how many
 leading chunks are known to be in the pool. Each step it
 
-- loads the token range the scheduler planned (``load``): this rank's slices of the pool's chunks
+- loads the token range the scheduler planned (``load``; of a sliding window only the tail vLLM
+  keeps blocks for): this rank's slices of the pool's chunks
   (one per KV head it holds, :mod:`kvpool.slices`) each scattered straight into its head of the
   request's blocks with :class:`kvpool.kernels.paged.BoundCache` (from the pages of the pool,
   verified in place); chunks the pool does not return whole make their blocks "failed" (reported
@@ -50,9 +51,11 @@ class _Req:
 
 
 class PoolWorker:
-    def __init__(self, pool, spec, block_size: int, vllm_config=None, saves: bool = True) -> None:
+    def __init__(self, pool, spec, block_size: int, vllm_config=None, saves: bool = True,
+                 window: int | None = None) -> None:
         self.pool, self.spec, self.block_size = pool, spec, block_size
         self.saves = saves  # False: a decode instance (kv_consumer) loads and never saves
+        self.window = window  # a sliding-window group: the tokens vLLM keeps (vllm_spec.group_window)
         self.vllm_config = vllm_config
         self.chunk_tokens = spec.chunk_tokens
         self.copier = None
@@ -97,6 +100,14 @@ class PoolWorker:
         self._t_bind = time.perf_counter()
         self._load_s = 0.0
 
+    def _kept_from(self, computed: int) -> int:
+        """The first token whose block vLLM still holds once ``computed`` tokens are computed: a
+        sliding window frees (and hands to other requests) the blocks wholly before it, as
+        vLLM's SlidingWindowManager does in ``remove_skipped_blocks``."""
+        if self.window is None:
+            return 0
+        return max(0, computed - self.window + 1) // self.block_size * self.block_size
+
     def _slots(self, req: _Req, lo: int, hi: int) -> torch.Tensor:
         pos = torch.arange(lo, hi, dtype=torch.int64)
         blocks = torch.tensor(req.block_ids, dtype=torch.int64)[pos // self.block_size]
@@ -129,16 +140,19 @@ class PoolWorker:
         return self._slots(req, a, b)
 
     def _load(self, req_id: str, req: _Req, lo: int, hi: int) -> None:
+        """Loads tokens ``lo..hi-1`` (a sliding window: only those whose blocks vLLM holds, the
+        window's tail; the ones before it are never attended to again)."""
         c = self.chunk_tokens
-        c0, c1 = lo // c, cdiv(hi, c)
+        start = max(lo, self._kept_from(hi))
+        c0, c1 = start // c, cdiv(hi, c)
         t0 = time.perf_counter()
-        done = lo
+        done = start
         last = len(self.head_copiers) - 1
         try:
             with closing(self._chunks(req, c0, c1)) as slices:
                 for j, h, view in slices:
                     if h == 0:  # a new chunk: its tokens' slots, once for all its heads
-                        a, b, off = max(lo, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
+                        a, b, off = max(start, (c0 + j) * c), min(hi, (c0 + j + 1) * c), (c0 + j) * c
                         slots = self._run_slots(req, a, b)
                     with view:  # released right after its copy, also when the copy fails
                         kv = view.kv if (a, b) == (off, off + c) else view.kv[:, :, a - off : b - off]
@@ -151,8 +165,9 @@ class PoolWorker:
         self._add("load_us", int(dt * 1e6))
         self._load_s += dt
         loaded = done - lo
+        if done > start:
+            self._meta.load_samples.append(((done - start) * self.spec.chunk_nbytes // c, dt))
         if loaded:
-            self._meta.load_samples.append((loaded * self.spec.chunk_nbytes // c, dt))
             self._add("loaded_tokens", loaded)
         if done < hi:
             bs = self.block_size
@@ -217,11 +232,18 @@ class PoolWorker:
             whole = min(step.computed_after // c, len(req.keys))
             if whole <= req.saved and (req.touched or req.saved == 0):
                 continue  # nothing new; a request that hit tells the pool's policy once (below)
+            # A sliding window: chunks whose first blocks vLLM freed before this step (a save
+            # that failed earlier, a prefix-cache hit) are not saved from blocks others now hold.
+            first = max(req.saved, cdiv(self._kept_from(step.computed_before), c))
+            if min(first, whole) > req.saved:
+                self._add("save_skipped_chunks", min(first, whole) - req.saved)
+            todo = range(first, whole)
+            start = first if todo else req.saved  # nothing to save: the hit's chunks are touched
             try:
                 t0 = time.perf_counter()
-                chunks = [self.copier.gather(self._slots(req, i * c, (i + 1) * c)) for i in range(req.saved, whole)]
+                chunks = [self.copier.gather(self._slots(req, i * c, (i + 1) * c)) for i in todo]
                 t1 = time.perf_counter()
-                stored = self.pool.save(req.tenant, req.keys, chunks, start=req.saved)
+                stored = self.pool.save(req.tenant, req.keys, chunks, start=start)
                 self._add("save_copy_us", int((t1 - t0) * 1e6))
                 self._add("save_us", int((time.perf_counter() - t0) * 1e6))
                 self._add("saved_chunks", stored)

@@ -1,13 +1,14 @@
 """The model zoo (tests/zoo.py) through vLLM's CPU build with KVPoolConnector.
 
-For each family vLLM serves with one full-attention KV cache group: a prompt run cold saves its
+For each family vLLM serves with one attention KV cache group (full, or sliding-window: Mistral's
+window shorter than the prompt, so only its tail is loaded): a prompt run cold saves its
 chunks, the same prompt again loads them from the pool, and tokens and log-probs must equal the
 cold run's exactly (prefix caching off: every reuse comes from the pool). For the families whose
 KV transformers and vLLM compute alike (``CROSS_ENGINE``), chunks saved by the transformers
 connector from the same checkpoint folder are loaded by vLLM and give vLLM's own greedy tokens;
 for every other family the keys are the engine's own, so vLLM never loads them. Families the
-connector cannot serve (vLLM's sliding-window groups, MLA, GPT-NeoX whose CPU prefill is not
-reproducible) are refused at engine start with the reason.
+connector cannot serve (a sliding window shorter than a chunk, MLA, GPT-NeoX whose CPU prefill is
+not reproducible) are refused at engine start with the reason.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ N = 200  # prompt tokens: three whole chunks and 8 more
 POOL = {"backend": "local", "chunk_tokens": CHUNK, "dram_mib": 64, "breakeven_margin": 0.0}
 LOGPROB_TOL = 2e-3  # transformers and vLLM compute the same fp32 KV with different kernels
 
-# NOTE: vLLM's CPU build pages Gemma 2/3's sliding layers as full attention (one
-# FullAttentionSpec group, every block kept), so whole chunks hold every layer's KV and serve.
-SERVED = ["llama", "qwen2", "qwen3", "phi", "gpt2", "gemma2", "gemma3"]
+# NOTE: with this connector vLLM's hybrid allocator is off, so Gemma 2/3's sliding layers are paged
+# as full attention (one FullAttentionSpec group, every block kept). Mistral's layers all slide:
+# one SlidingWindowSpec group, whose blocks vLLM frees as they leave the window (the window of
+# "mistral-window96" is shorter than the prompt: its first chunk's blocks are gone at the load).
+SERVED = ["llama", "qwen2", "qwen3", "phi", "gpt2", "gemma2", "gemma3", "mistral-window96", "mistral-long-window"]
+VARIANTS = {"mistral-window96": ("mistral", dict(sliding_window=96))}  # name: (zoo family, fields)
 REFUSED = {
-    "mistral": "SlidingWindowSpec",
-    "mistral-long-window": "SlidingWindowSpec",  # vLLM pages sliding layers even when the window is long
+    "mistral": r"sliding window \(40 tokens\) is shorter than a pool chunk \(chunk_tokens=64\)",
     "deepseek-v3-mla": "latent",
     "gpt-neox": "reproducibly",
 }
@@ -52,9 +55,10 @@ OVERRIDES = {
 ENGINE_ARGS = {"deepseek-v3-mla": dict(dtype="bfloat16")} if "amx_tile" in open("/proc/cpuinfo").read() else {}
 
 
-def folder_of(tmp_path_factory, family: str) -> str:
-    d = str(tmp_path_factory.mktemp(family))
-    zoo.build(family, **OVERRIDES.get(family, {})).save_pretrained(d)
+def folder_of(tmp_path_factory, name: str) -> str:
+    d = str(tmp_path_factory.mktemp(name))
+    family, fields = VARIANTS.get(name, (name, {}))
+    zoo.build(family, **{**OVERRIDES.get(name, {}), **fields}).save_pretrained(d)
     return d
 
 
@@ -110,3 +114,27 @@ def test_families_vllm_cannot_serve_through_the_pool_are_refused_at_start(tmp_pa
                     **ENGINE_ARGS.get(family, {}))
     assert "without" in str(e.value)  # and it says what to do instead
     close_local_pools()
+
+
+def test_sliding_window_chunks_are_saved_while_vllm_holds_their_blocks(tmp_path_factory):
+    """Prefill in steps of one block (32 tokens) with a 96-token window: vLLM frees each block once
+    it leaves the window, mid-prefill, so each chunk must be saved in the step that completes it.
+    A second prompt sharing only the first two chunks then loads the window's tail out of them
+    (tokens 32-127) and answers as recomputing does; so does the whole prompt (its tail only)."""
+    close_local_pools()
+    folder = folder_of(tmp_path_factory, "mistral-window96")
+    llm = make_engine(folder, {**POOL, "pool": "vzoo-sliding-steps"}, enable_prefix_caching=False,
+                      max_model_len=1024, max_num_batched_tokens=32, max_num_seqs=1)
+    try:
+        prompt = [int(t) for t in zoo.prompt(N, seed=5)[0]]
+        cold = generate(llm, prompt)
+        assert cold[2] == 0
+        branch = prompt[: 2 * CHUNK] + [int(t) for t in zoo.prompt(N - 2 * CHUNK, seed=6)[0]]
+        ref = generate(llm, branch, salt="recompute")  # nobody's secret: computed, not cached
+        got = generate(llm, branch)
+        assert got[2] == 2 * CHUNK and got[:2] == ref[:2]  # its two shared chunks loaded, the same answer
+        again = generate(llm, prompt)
+        assert again[2] == N // CHUNK * CHUNK and again[:2] == cold[:2]
+    finally:
+        shutdown_engine(llm)
+        close_local_pools()

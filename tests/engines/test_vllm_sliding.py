@@ -1,0 +1,86 @@
+"""Sliding-window models through vLLM's own OpenAI server on a kvpool node pool, across a restart.
+
+- Mistral with a window (96 tokens) below the context (300): every layer slides, so vLLM pages the
+  model as one sliding-window group and frees each request's blocks as they leave the window. The
+  connector saves each chunk in the step that completes it and, on a hit, loads only the window's
+  tail (the first chunks' blocks vLLM no longer holds; their KV is never attended to again).
+- Gemma 2 (sliding and full layers alternating, same window): vLLM pages it as one full-attention
+  group with this connector (its hybrid allocator is off), every layer's KV kept and loaded.
+
+For each, a server answers a prompt cold (saving its chunks), is stopped, and a new server on the
+same pool answers it again from the pool: every whole chunk is a pool hit (vLLM's
+``source="host"`` counter), with the cold answer's tokens and log-probs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import need_engines
+
+need_engines("vllm", "transformers")
+
+from test_vllm_server_node import CHUNK, Pool, Server  # noqa: E402
+from test_vllm_tp import answer  # noqa: E402
+from tinymodel import random_prompt  # noqa: E402
+
+PROMPT = 300
+WHOLE = PROMPT // CHUNK * CHUNK
+WINDOW = 96  # below the prompt, and no shorter than a chunk (a shorter one is refused at start)
+COMMON = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, initializer_range=0.2,
+              bos_token_id=1, eos_token_id=2, sliding_window=WINDOW)
+MODELS = {
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(tie_word_embeddings=True, query_pre_attn_scalar=64)),  # vLLM's Gemma ties them
+}
+
+
+def save_model(path, family: str, seed: int = 0) -> str:
+    import torch
+    import transformers
+
+    cls, fields = MODELS[family]
+    cfg = getattr(transformers, cls)(**COMMON, **fields)
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    finally:
+        torch.random.set_rng_state(state)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vllm-sliding")
+    p = Pool(workdir)
+    try:
+        p.up(dram_pages=200)
+        yield p, workdir
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_a_restarted_server_loads_a_sliding_window_models_chunks_with_the_cold_answer(pool, family):
+    p, workdir = pool
+    model = save_model(workdir / family, family)
+    prompt = random_prompt(PROMPT, seed=40 + len(family))
+    first = Server(model, workdir, p.run_dir, name=f"{family}-1")
+    try:
+        first.wait_healthy()
+        cold = answer(first, prompt)
+        assert cold[2] == 0  # nothing in the pool yet: computed, and saved
+    finally:
+        first.close()
+    second = Server(model, workdir, p.run_dir, name=f"{family}-2")
+    try:
+        second.wait_healthy()
+        loaded = answer(second, prompt)
+        assert loaded[2] == WHOLE, f"the restarted server loaded {loaded[2]} of the {WHOLE} tokens saved"
+        assert loaded[0] == cold[0] and loaded[1] == cold[1], (loaded, cold)  # bit for bit
+        other = answer(second, random_prompt(PROMPT, seed=99))  # a control: another prompt, another answer
+        assert other[2] == 0 and other[0] != cold[0]
+    finally:
+        second.close()
