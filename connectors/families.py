@@ -45,9 +45,11 @@ def text_config(config):
     return get(decoder=True) if callable(get) else config
 
 
-def layer_kinds(config, *, engine: str = "kvpool") -> tuple[str, ...]:
+def layer_kinds(config, *, engine: str = "kvpool", states: bool = False) -> tuple[str, ...]:
     """One kind per layer (``full``, ``sliding:W``, ``chunked:W``) from a transformers config;
-    raises :class:`UnsupportedModel` for a model whose layers the pool cannot store."""
+    raises :class:`UnsupportedModel` for a model whose layers the pool cannot store. ``states``:
+    the engine stores recurrent state (kvpool.connectors.hf_state): a linear-attention or
+    state-space layer is ``state`` (the family is then checked by its layout)."""
     cfg = text_config(config)
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{engine}: {type(cfg).__name__} is an encoder-decoder model; kvpool caches decoder "
@@ -71,12 +73,16 @@ def layer_kinds(config, *, engine: str = "kvpool") -> tuple[str, ...]:
                                f"has {n}: kvpool cannot tell what each layer's KV is")
     kinds = []
     for i, t in enumerate(types):
+        if states and t == "linear_attention":
+            kinds.append("state")
+            continue
         kind = _ATTENTION_TYPES.get(t)
         if kind is None:
             why = _WHY.get(t, f"a layer type kvpool does not know ({t!r})")
             raise UnsupportedModel(
-                f"{engine}: layer {i} of {type(cfg).__name__} is {t!r}, which keeps {why}; kvpool stores per-token "
-                "attention K/V and cannot rebuild that state from cached chunks. Serve this model without the pool")
+                f"{engine}: layer {i} of {type(cfg).__name__} is {t!r}, which keeps {why}; this connector stores "
+                "per-token attention K/V and cannot rebuild that state from cached chunks (the transformers connector "
+                "stores Mamba-2's and Qwen3-Next's). Serve this model without the pool")
         size = window if kind == "sliding" else chunk if kind == "chunked" else None
         if kind != "full" and (not isinstance(size, int) or size <= 0):
             raise UnsupportedModel(f"{engine}: layer {i} of {type(cfg).__name__} is {t!r} but the config gives no "

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.auth import claimed_tenant
-from kvpool.connectors import compress_store
+from kvpool.connectors import compress_store, hf_state
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.hf_batch import prompt_rows
-from kvpool.connectors.hf_model import cache_argument, layer_kv, model_spec, same_layout
+from kvpool.connectors.hf_model import cache_argument, layer_kv, model_spec, model_states, same_layout
 from kvpool.connectors.pools import PoolHealth, Reporter, as_sliced, check_config, open_pool
 from kvpool.errors import BadRequest, KvPoolError
 
@@ -77,12 +77,18 @@ class HFConnector:
         self.health = PoolHealth(self.pool)  # DEGRADED while a "node" pool does not answer
         self.save_refused = 0  # saves the pool refused (429 quota, 507 full): those chunks stay uncached
         self.load_failed = 0  # loads that failed unexpectedly: the request recomputed its prefix
-        self._layers = self.spec.num_layers
+        # recurrent layers: their state at each chunk's end is in the chunk (kvpool.connectors.hf_state)
+        self.states = model_states(model, chunk_tokens=self.spec.chunk_tokens) if "state" in self.spec.layer_kinds \
+            else None
+        self._layers = self.spec.num_layers if self.states is None else len(self.states.storage)
         self._windowed = any(k.startswith(("sliding", "chunked")) for k in self.spec.layer_kinds)
         # LOSSY, opt-in: long prompts stored compressed (kvpool.connectors.compress_store)
         self.compress = compress_store.check_compress((config or {}).get("compress"), self.spec)
+        if self.states is not None and self.compress is not None:
+            raise BadRequest(f"{type(model).__name__} keeps recurrent state: token eviction (compress) cannot apply")
         # per-chunk attention mass for the `importance` policy (a window's recompute per save)
-        self.report_attention = cfg.get("policy") == "importance" and compress_store.takes_attention(self.pool)
+        self.report_attention = (cfg.get("policy") == "importance" and compress_store.takes_attention(self.pool)
+                                 and self.states is None)
         self.reporter = Reporter(self.pool, f"transformers {self.spec.model_id} pid {os.getpid()}", self.figures)
 
     # ---------------------------------------------------------------- cache <-> chunks
@@ -90,7 +96,7 @@ class HFConnector:
         """A cache that keeps every layer's KV of every token (see the class docstring)."""
         from transformers import DynamicCache
 
-        return DynamicCache()
+        return DynamicCache() if self.states is None else DynamicCache(config=self.model.config)
 
     def _own_cache(self, cache):
         """transformers' own cache holding ``cache``'s KV: once the prompt's chunks are saved, its
@@ -110,6 +116,17 @@ class HFConnector:
         if not chunks:
             return cache
         device = next(self.model.parameters()).device
+        if self.states is not None:  # the attention layers' KV, and every recurrent layer's state at the last's end
+            assert tokens == len(chunks) * self.spec.chunk_tokens, (tokens, len(chunks))
+            kv = torch.cat(chunks, dim=2)
+            for layer, where in enumerate(self.states.storage):
+                if layer in self.states.shapes:
+                    hf_state.restore(cache, layer, *(t.to(device) for t in self.states.unpack(chunks[-1], layer)))
+                else:
+                    k, v = kv[where[0], 0], kv[where[0], 1]
+                    cache.update(k.permute(1, 0, 2).unsqueeze(0).to(device), v.permute(1, 0, 2).unsqueeze(0).to(device),
+                                 layer)
+            return cache
         kd = self.spec.head_dim
         if self.spec.v_head_dim:  # [layers, tokens, heads, kd + vd]
             kv = torch.cat(chunks, dim=1)[:, :tokens]
@@ -121,10 +138,18 @@ class HFConnector:
             cache.update(k.permute(1, 0, 2).unsqueeze(0).to(device), v.permute(1, 0, 2).unsqueeze(0).to(device), layer)
         return cache
 
-    def _chunks_from_cache(self, cache, first: int, count: int) -> list[torch.Tensor]:
-        """Chunks ``first .. first+count`` of the cache, in the canonical layout."""
+    def _chunks_from_cache(self, cache, first: int, count: int, states: dict | None = None) -> list[torch.Tensor]:
+        """Chunks ``first .. first+count`` of the cache, in the canonical layout (``states[i]``: the
+        recurrent layers' state at chunk ``i``'s end, of a stateful model)."""
         c = self.spec.chunk_tokens
         lo, hi = first * c, (first + count) * c
+        if self.states is not None:
+            out = []
+            for i in range(first, first + count):
+                kv = {layer: tuple(t[0, :, i * c: (i + 1) * c].transpose(0, 1).cpu() for t in layer_kv(cache, layer))
+                      for layer in self.states.attention}
+                out.append(self.states.pack(kv, {k: tuple(t.cpu() for t in v) for k, v in states[i].items()}))
+            return out
         per_layer = []
         for layer in range(self._layers):
             k, v = layer_kv(cache, layer)
@@ -185,6 +210,8 @@ class HFConnector:
             # holding the prompt's last token is loaded too and cut just before that token: on a
             # full hit only the last token is computed (it needs logits), not its whole chunk.
             usable = min(self.pool.lookup(tenant, keys), n - 1)
+            if self.states is not None:  # a state exists at chunk boundaries only
+                usable -= usable % c
             if usable and self.breakeven.should_load(usable, -(-usable // c) * self.spec.chunk_nbytes):
                 request = self.pool.begin(tenant, keys)
                 t1 = time.perf_counter()
@@ -205,10 +232,14 @@ class HFConnector:
             t2 = time.perf_counter()
             device = next(self.model.parameters()).device
             pos = {"position_ids": torch.arange(hit, n, device=device)[None]} if ahead else {}
-            out = self.model(input_ids=ids[:, hit:].to(device), use_cache=True, **pos, **{self._arg: cache})
+            states = {}
+            if self.states is not None and save and use_pool and n // c > hit // c:
+                out, states = self._run_by_chunk(ids, hit, cache)  # each new chunk's state at its end
+            else:
+                out = self.model(input_ids=ids[:, hit:].to(device), use_cache=True, **pos, **{self._arg: cache})
             timings["prefill_s"] = time.perf_counter() - t2
             self.breakeven.observe_prefill(n - hit, timings["prefill_s"])
-            if cache.get_seq_length() + ahead != n:
+            if (self.states is None or self.states.attention) and cache.get_seq_length() + ahead != n:
                 raise RuntimeError(f"the model did not fill the cache it was given ({cache.get_seq_length()} of {n} "
                                    f"tokens): its forward ignored `{self._arg}=`; this transformers version is not "
                                    "supported")
@@ -220,7 +251,7 @@ class HFConnector:
                         saved = compress_store.save_compressed(self.model, self.pool, self.spec, self.compress, tenant,
                                                                keys, cache, ids, whole, shared=shared)
                     else:
-                        chunks = self._chunks_from_cache(cache, len(loaded), whole - len(loaded))
+                        chunks = self._chunks_from_cache(cache, len(loaded), whole - len(loaded), states)
                         att = {"attention": compress_store.save_attention(self.model, cache, ids, c)
                                } if self.report_attention else {}
                         saved = self.pool.save(tenant, keys, chunks, start=len(loaded), request=request, shared=shared,
@@ -234,6 +265,24 @@ class HFConnector:
         if self._windowed:
             cache = self._own_cache(cache)
         return PrefillResult(out.logits, cache, n, hit, saved, time.perf_counter() - t0, timings, ahead)
+
+    def _run_by_chunk(self, ids: torch.Tensor, hit: int, cache):
+        """The model on ``ids[hit:]`` one chunk at a time up to the last whole chunk, then the rest:
+        (its output, whose logits are every computed token's, and the recurrent layers' state at
+        each new chunk's end, by chunk index)."""
+        c, n = self.spec.chunk_tokens, ids.shape[1]
+        device = next(self.model.parameters()).device
+        logits, states, out = [], {}, None
+        bounds = [*range(hit, n // c * c + 1, c)]
+        for lo, hi in zip(bounds, [*bounds[1:], n]):
+            if lo == hi:
+                continue
+            out = self.model(input_ids=ids[:, lo:hi].to(device), use_cache=True, **{self._arg: cache})
+            logits.append(out.logits)
+            if hi % c == 0:
+                states[hi // c - 1] = hf_state.snapshot(cache, self.states)
+        out.logits = torch.cat(logits, dim=1)
+        return out, states
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 8, *, attention_mask=None, **kw):
@@ -254,8 +303,8 @@ class HFConnector:
             tokens.append(nxt)
             if len(tokens) == max_new_tokens:
                 break
-            pos = cache.get_seq_length() + first.positions_ahead
-            extra = {"position_ids": torch.tensor([[pos]], device=device)} if first.positions_ahead else {}
+            extra = {"position_ids": torch.tensor([[cache.get_seq_length() + first.positions_ahead]], device=device)
+                     } if first.positions_ahead else {}
             out = self.model(input_ids=torch.tensor([[nxt]], device=device), use_cache=True, **extra,
                              **{self._arg: cache})
             nxt = int(out.logits[0, -1].argmax())

@@ -38,7 +38,10 @@ def model_spec(model, *, model_id: str | None = None, chunk_tokens: int = 256, r
     :mod:`kvpool.connectors.weights`) and how its chunks are stored (``storage_format``: ``"raw"``,
     or a LOSSY, opt-in format of :mod:`kvpool.codec`). Raises :class:`UnsupportedModel` for a family the
     connector cannot serve correctly."""
-    kinds, heads, k_dim, v_dim, dtype = model_layout(model)
+    kinds, heads, k_dim, v_dim, dtype = model_layout(model, chunk_tokens)
+    if "state" in kinds and storage_format != "raw":
+        raise BadRequest(f"transformers connector: {type(model).__name__} keeps recurrent state, which a lossy "
+                         f"storage_format ({storage_format!r}) would change: use storage_format 'raw'")
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     return spec_for(name, len(kinds), heads, k_dim, dtype, chunk_tokens=chunk_tokens, revision=revision,
                     weights=model_weights(model, weights, revision), layer_kinds=kinds, v_head_dim=v_dim,
@@ -46,10 +49,14 @@ def model_spec(model, *, model_id: str | None = None, chunk_tokens: int = 256, r
                     storage_format=storage_format)
 
 
-def model_layout(model) -> tuple[tuple[str, ...], int, int, int, object]:
-    """(layer kinds, KV heads, K width, V width, dtype) of a transformers decoder."""
-    kinds = layer_kinds(model.config, engine="transformers connector")
+def model_layout(model, chunk_tokens: int = 256) -> tuple[tuple[str, ...], int, int, int, object]:
+    """(layer kinds, KV heads, K width, V width, dtype) of a transformers decoder; a model with
+    recurrent layers: its chunks' storage layers (kvpool.connectors.hf_state)."""
+    kinds = layer_kinds(model.config, engine="transformers connector", states=True)
     _check_cache_layers(model, kinds)
+    if "state" in kinds:
+        lay = model_states(model, kinds, chunk_tokens)
+        return lay.kinds, lay.heads, lay.dim, lay.dim, lay.dtype
     heads, k_dim, v_dim, dtype = _probe_kv(model, len(kinds))
     if is_latent(model.config):
         cfg = text_config(model.config)
@@ -60,8 +67,20 @@ def model_layout(model) -> tuple[tuple[str, ...], int, int, int, object]:
     return kinds, heads, k_dim, v_dim, dtype
 
 
+def model_states(model, kinds: tuple[str, ...] | None = None, chunk_tokens: int = 256):
+    """The StateLayout of a model with recurrent layers (kvpool.connectors.hf_state), else None."""
+    from kvpool.connectors.hf_state import state_layout
+
+    kinds = kinds if kinds is not None else layer_kinds(model.config, engine="transformers connector", states=True)
+    if "state" not in kinds:
+        return None
+    arg = cache_argument(model)
+    return state_layout(model, kinds, chunk_tokens, lambda ids, cache: model(input_ids=ids, use_cache=True,
+                                                                            **{arg: cache}))
+
+
 def same_layout(spec, model) -> bool:
-    kinds, heads, k_dim, v_dim, dtype = model_layout(model)
+    kinds, heads, k_dim, v_dim, dtype = model_layout(model, spec.chunk_tokens)
     other = spec_for(spec.model_id, len(kinds), heads, k_dim, dtype, chunk_tokens=spec.chunk_tokens,
                      revision=spec.model_revision, weights=spec.weights, layer_kinds=kinds, v_head_dim=v_dim,
                      storage_format=spec.storage_format,
@@ -116,7 +135,7 @@ def _check_cache_layers(model, kinds: tuple[str, ...]) -> None:
     for i, (layer, kind) in enumerate(zip(layers, kinds)):
         cls = type(layer).__name__
         window = int(kind.partition(":")[2] or 0)
-        ok = (cls == "DynamicLayer" and not window) or (
+        ok = (cls == "DynamicLayer" and not window and kind != "state") or (kind == "state" and cls == "LinearAttentionLayer") or (
             cls == "DynamicSlidingWindowLayer" and window and getattr(layer, "sliding_window", None) == window)
         if not ok:
             raise UnsupportedModel(f"transformers connector: layer {i} of {type(model).__name__} caches through "

@@ -9,7 +9,9 @@ Layer kinds (``KVSpec.layer_kinds``, one per layer; empty means every layer is `
 - ``full``: causal attention over the whole prefix;
 - ``sliding:W``: attention over the last ``W`` positions (Mistral, Gemma 2/3, Phi-3);
 - ``chunked:W``: attention within aligned blocks of ``W`` positions (Llama 4's local layers);
-- ``latent``: one compressed vector and a rope key per token (MLA as vLLM and SGLang cache it).
+- ``latent``: one compressed vector and a rope key per token (MLA as vLLM and SGLang cache it);
+- ``state``: no KV: (part of) a recurrent layer's state at the chunk's end, flattened into the
+  layer's ``[2, chunk_tokens, kv_heads, head_dim]`` (kvpool.connectors.hf_state).
 
 A chunk always holds the KV of its tokens for *every* layer, whatever the layer's kind: the KV
 of a token depends only on the tokens before it, so a chunk means the same bytes whether or not
@@ -52,18 +54,19 @@ DEFAULT_HIGH_WATERMARK = {"raw": 0.90, "fp8": 0.95, "int8": 0.95, "int4-kivi": 0
 # Bumped whenever the chunk layout or the key derivation changes meaning.
 FORMAT_VERSION = 3  # 2: block_size left out of the fingerprint; 3: layer kinds, V width, weights
 
-LAYER_KINDS = ("full", "sliding", "chunked", "latent")  # "sliding" and "chunked" take ":W"
+LAYER_KINDS = ("full", "sliding", "chunked", "latent", "state")  # "sliding" and "chunked" take ":W"
 
 
 def check_layer_kind(kind: object) -> str:
-    """``kind`` if it is a layer kind (``full``, ``sliding:W``, ``chunked:W``, ``latent``)."""
+    """``kind`` if it is a layer kind (``full``, ``sliding:W``, ``chunked:W``, ``latent``, ``state``)."""
     if isinstance(kind, str):
         name, _, size = kind.partition(":")
-        if name in ("full", "latent") and not size:
+        if name in ("full", "latent", "state") and not size:
             return kind
         if name in ("sliding", "chunked") and size.isdigit() and int(size) > 0 and size[0] != "0":
             return kind
-    raise BadRequest(f"layer kind {kind!r} is not one of 'full', 'sliding:W', 'chunked:W', 'latent' (W a positive int)")
+    raise BadRequest(f"layer kind {kind!r} is not one of 'full', 'sliding:W', 'chunked:W', 'latent', 'state' "
+                     "(W a positive int)")
 
 
 @dataclass(frozen=True, slots=True)

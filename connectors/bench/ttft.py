@@ -46,6 +46,32 @@ def small_qwen2():
     return Qwen2ForCausalLM(cfg).eval()
 
 
+STATE_MODELS = ("mamba2", "qwen3-next")
+
+
+def state_model(name: str):
+    """A random-weight model with recurrent layers, fp32, whose state the pool stores
+    (kvpool.connectors.hf_state): ``mamba2`` (8 Mamba-2 layers, hidden 512, 16 heads of 64, state
+    64, scan chunk 256) or ``qwen3-next`` (8 layers, gated DeltaNet and attention alternating,
+    hidden 512; attention 8 heads over 2 KV heads of 64; 4 experts of 256)."""
+    import transformers
+
+    common = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, initializer_range=0.2,
+                  tie_word_embeddings=False)
+    if name == "mamba2":
+        cfg = transformers.Mamba2Config(**common, state_size=64, num_heads=16, head_dim=64, expand=2, n_groups=1,
+                                        conv_kernel=4, chunk_size=256)
+    else:
+        cfg = transformers.Qwen3NextConfig(**common, intermediate_size=1024, num_attention_heads=8,
+                                           num_key_value_heads=2, head_dim=64, linear_num_value_heads=8,
+                                           linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                                           linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                                           full_attention_interval=2, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
 def _random_prompts(contexts: list[int]) -> list[torch.Tensor]:
     return [torch.randint(0, 4096, (1, ctx), generator=torch.Generator().manual_seed(i))
             for i, ctx in enumerate(contexts)]
@@ -70,6 +96,8 @@ def run_hf(contexts: list[int], new_tokens: int = 4, progress: bool = True, chun
         m = smollm2.load()[0]
         prompts = [torch.tensor([p]) for p in real.prompts([n for _, n in sizes])]
         model_id, new_tokens = smollm2.MODEL_ID, real.ANSWER_TOKENS
+    elif model in STATE_MODELS:
+        m, prompts, model_id, sizes = state_model(model), _random_prompts(contexts), f"kvpool/bench-{model}", None
     else:
         m, prompts, model_id, sizes = bench_model(), _random_prompts(contexts), "kvpool/bench-llama", None
     spec = model_spec(m, model_id=model_id, chunk_tokens=chunk_tokens)
@@ -114,7 +142,7 @@ def _measure_hf(conn, prompts: list[torch.Tensor], new_tokens: int, progress: bo
             for _ in range(reps):
                 cold_tok, cold = conn.generate(ids, new_tokens, use_pool=False)
                 cold_s.append(cold.seconds)
-            conn.prefill(ids)  # fills the pool (a first request would, in production)
+            fill = conn.prefill(ids)  # fills the pool (a first request would; with recurrent layers chunk by chunk)
             for _ in range(reps):
                 warm_tok, warm = conn.generate(ids, new_tokens)
                 warm_s.append(warm.seconds)
@@ -122,7 +150,9 @@ def _measure_hf(conn, prompts: list[torch.Tensor], new_tokens: int, progress: bo
             c, w = statistics.median(cold_s), statistics.median(warm_s)
             rows.append({"engine": "hf", "backend": backend, "context": ctx, "cold_ttft_s": c, "warm_ttft_s": w,
                          "speedup": c / w, "loaded_tokens": loaded, "same_output": cold_tok == warm_tok,
-                         "cold_runs_s": cold_s, "warm_runs_s": warm_s, "answer_tokens": cold_tok})
+                         "cold_runs_s": cold_s, "warm_runs_s": warm_s, "answer_tokens": cold_tok,
+                         "fill_s": fill.seconds, "fill_vs_cold": fill.seconds / c, "chunk_bytes": conn.spec.chunk_nbytes,
+                         "stored_bytes_per_token": conn.spec.chunk_nbytes / conn.spec.chunk_tokens})
             bar.advance(note=f"{ctx} tokens")
     return rows
 
@@ -175,8 +205,11 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | Non
 
 def run(engine: str, contexts: list[int], progress: bool = True, backend: str | None = None,
         repeats: int | None = None, compare_local: bool = True, model: str = "random") -> list[dict] | dict:
-    if model not in ("random", "smollm2", "qwen2"):
-        raise BadRequest(f"--model {model!r}: choose random (the random-weight benchmark Llama), qwen2 or smollm2")
+    if model not in ("random", "smollm2", "qwen2", *STATE_MODELS):
+        raise BadRequest(f"--model {model!r}: choose random (the random-weight benchmark Llama), qwen2, smollm2, "
+                         f"{' or '.join(STATE_MODELS)}")
+    if model in STATE_MODELS and engine != "hf":
+        raise BadRequest(f"--model {model} (recurrent state in the pool) is measured with --engine hf only")
     if model == "qwen2" and engine != "vllm-server":
         raise BadRequest("--model qwen2 (the small Qwen2 shape) is measured with --engine vllm-server only")
     if engine == "hf":
@@ -240,6 +273,9 @@ def format_table(rows: list[dict] | dict) -> str:
         lines.append(f"{r['engine']:<7}{r['context']:>8}{r['cold_ttft_s']:>9.3f}{r['warm_ttft_s']:>9.3f}"
                      f"{r['cold_ttft_s'] / r['warm_ttft_s']:>9.1f}x{'' if native is None else f'{native:.3f}':>14}"
                      f"{'' if ratio is None else f'{ratio:.2f}x':>13}  {r['same_output']}")
+        if "fill_s" in r:
+            lines.append(f"        the saving prefill {r['fill_s']:.3f} s ({r['fill_vs_cold']:.2f}x cold); "
+                         f"{r['chunk_bytes'] / 2**20:.2f} MiB a chunk, {r['stored_bytes_per_token'] / 1024:.1f} KiB a token")
         if native is not None:
             lines.append("        runs (s): " + "; ".join(
                 f"{k} {min(r[f'{k}_runs_s']):.3f}-{max(r[f'{k}_runs_s']):.3f}" for k in ("cold", "warm", "native")
