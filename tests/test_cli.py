@@ -67,6 +67,14 @@ def test_bench_ttft_hf_loads_the_prefix_and_keeps_the_output():
     assert row["warm_ttft_s"] < row["cold_ttft_s"]
 
 
+def test_bench_ttft_hf_stores_and_restores_recurrent_state():
+    (row,) = json.loads(kvpool("bench", "ttft", "--engine", "hf", "--model", "qwen3-next", "--context", "600",
+                               "--json").stdout)
+    assert row["loaded_tokens"] == 512  # whole chunks only: a state exists at chunk boundaries
+    assert row["same_output"] is True
+    assert row["chunk_bytes"] > 0 and row["fill_s"] > 0
+
+
 def test_up_help_describes_every_eviction_policy():
     from kvpool.cli import build_parser
     from kvpool.policies import registry

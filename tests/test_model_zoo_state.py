@@ -133,3 +133,20 @@ def test_what_cannot_be_continued_exactly_is_refused():
         HFConnector(transformers.AutoModelForCausalLM.from_config(cfg).eval(),
                     config={"chunk_tokens": CHUNK, "dram_mib": 16, "pool": "state-jamba"})
     close_local_pools()
+
+
+@pytest.mark.parametrize("cls", ["Gemma3nTextConfig", "Gemma4TextConfig"])
+def test_layers_that_reuse_another_layers_kv_are_refused_clearly(cls):
+    """KV sharing (Gemma 3n and 4: the last layers read an earlier layer's KV and keep none of
+    their own): refused, naming the layer and why, in every connector."""
+    import transformers
+
+    from kvpool.connectors.families import layer_kinds
+
+    types = ["sliding_attention", "full_attention"] * 3
+    cfg = getattr(transformers, cls)(num_hidden_layers=6, layer_types=types, num_kv_shared_layers=2)
+    plain = getattr(transformers, cls)(num_hidden_layers=6, layer_types=types, num_kv_shared_layers=0)
+    assert len(layer_kinds(plain)) == 6  # without sharing: every layer's own KV
+    for engine in ("transformers connector", "KVPoolConnector"):
+        with pytest.raises(UnsupportedModel, match=r"layer 4 .* reuses another layer's.*without the pool"):
+            layer_kinds(cfg, engine=engine, states=engine.startswith("transformers"))
