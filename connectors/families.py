@@ -79,10 +79,12 @@ def layer_kinds(config, *, engine: str = "kvpool", states: bool = False) -> tupl
         kind = _ATTENTION_TYPES.get(t)
         if kind is None:
             why = _WHY.get(t, f"a layer type kvpool does not know ({t!r})")
+            stores = ("stores the recurrent state of linear_attention layers only (Mamba-2, Qwen3-Next)" if states
+                      else "stores per-token attention K/V (the transformers connector stores Mamba-2's and "
+                      "Qwen3-Next's recurrent state)")
             raise UnsupportedModel(
-                f"{engine}: layer {i} of {type(cfg).__name__} is {t!r}, which keeps {why}; this connector stores "
-                "per-token attention K/V and cannot rebuild that state from cached chunks (the transformers connector "
-                "stores Mamba-2's and Qwen3-Next's). Serve this model without the pool")
+                f"{engine}: layer {i} of {type(cfg).__name__} is {t!r}, which keeps {why}; this connector {stores} "
+                "and cannot rebuild that from cached chunks. Serve this model without the pool")
         size = window if kind == "sliding" else chunk if kind == "chunked" else None
         if kind != "full" and (not isinstance(size, int) or size <= 0):
             raise UnsupportedModel(f"{engine}: layer {i} of {type(cfg).__name__} is {t!r} but the config gives no "

@@ -52,35 +52,43 @@ def save_model(path, family: str, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def answers(tmp_path_factory):
+    """Each model's cold answer, its answer from a restarted server, and a control prompt's; the
+    two models' servers run side by side, each on a core of its own."""
     workdir = tmp_path_factory.mktemp("vllm-sliding")
-    p = Pool(workdir)
+    pool = Pool(workdir)
+    models = {f: save_model(workdir / f, f) for f in sorted(MODELS)}
+    prompts = {f: random_prompt(PROMPT, seed=40 + i) for i, f in enumerate(models)}
+    out: dict[str, dict] = {f: {} for f in models}
+    servers: list[Server] = []
+
+    def run(stage: str, ask) -> None:
+        started = [Server(m, workdir, pool.run_dir, name=f"{f}-{stage}", extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i)})
+                   for i, (f, m) in enumerate(models.items())]
+        servers.extend(started)
+        for server in started:
+            server.wait_healthy()
+        for f, server in zip(models, started):
+            ask(f, server)
+            server.close()
+
     try:
-        p.up(dram_pages=200)
-        yield p, workdir
+        pool.up(dram_pages=200)
+        run("1", lambda f, srv: out[f].update(cold=answer(srv, prompts[f])))
+        run("2", lambda f, srv: out[f].update(loaded=answer(srv, prompts[f]),
+                                              other=answer(srv, random_prompt(PROMPT, seed=99))))
+        yield out
     finally:
-        p.close()
+        for server in servers:
+            server.close()
+        pool.close()
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_a_restarted_server_loads_a_sliding_window_models_chunks_with_the_cold_answer(pool, family):
-    p, workdir = pool
-    model = save_model(workdir / family, family)
-    prompt = random_prompt(PROMPT, seed=40 + len(family))
-    first = Server(model, workdir, p.run_dir, name=f"{family}-1")
-    try:
-        first.wait_healthy()
-        cold = answer(first, prompt)
-        assert cold[2] == 0  # nothing in the pool yet: computed, and saved
-    finally:
-        first.close()
-    second = Server(model, workdir, p.run_dir, name=f"{family}-2")
-    try:
-        second.wait_healthy()
-        loaded = answer(second, prompt)
-        assert loaded[2] == WHOLE, f"the restarted server loaded {loaded[2]} of the {WHOLE} tokens saved"
-        assert loaded[0] == cold[0] and loaded[1] == cold[1], (loaded, cold)  # bit for bit
-        other = answer(second, random_prompt(PROMPT, seed=99))  # a control: another prompt, another answer
-        assert other[2] == 0 and other[0] != cold[0]
-    finally:
-        second.close()
+def test_a_restarted_server_loads_a_sliding_window_models_chunks_with_the_cold_answer(answers, family):
+    got = answers[family]
+    assert got["cold"][2] == 0  # nothing in the pool yet: computed, and saved
+    loaded = got["loaded"]
+    assert loaded[2] == WHOLE, f"the restarted server loaded {loaded[2]} of the {WHOLE} tokens saved"
+    assert loaded[0] == got["cold"][0] and loaded[1] == got["cold"][1], (loaded, got["cold"])  # bit for bit
+    assert got["other"][2] == 0 and got["other"][0] != got["cold"][0]  # a control: another prompt, another answer
