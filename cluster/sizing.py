@@ -76,9 +76,16 @@ def _declared(cfg, name: str):
 
 def kv_layout(config) -> tuple[tuple[str, ...], int, int, int]:
     """(layer kinds, KV heads, K width, V width (0: K's)) of a decoder's config."""
-    from kvpool.connectors.families import is_latent, layer_kinds, text_config
+    from kvpool.connectors.families import STATEFUL, architecture, is_latent, layer_kinds, text_config
 
-    kinds = layer_kinds(config, engine="kvpool up")  # NOTE: the connectors' refusals, word for word
+    kinds = layer_kinds(config, engine="kvpool up", states=True)  # NOTE: the connectors' refusals, word for word
+    if "state" in kinds:
+        if architecture(config) not in STATEFUL:
+            layer_kinds(config, engine="kvpool up")  # refused as every connector refuses it
+        raise BadRequest(f"kvpool up --model: {type(config).__name__} has recurrent layers, whose state the "
+                         "transformers connector stores in its chunks (sized from the model's own cache, not its "
+                         "config): pass --page-size with the bytes of one slice, "
+                         "HFConnector(model, ...).spec.chunk_nbytes // spec.num_kv_heads, instead of --model")
     cfg = text_config(config)
     if is_latent(config):
         kinds = tuple("latent" if k == "full" else k for k in kinds)

@@ -35,6 +35,18 @@ CROSS_ENGINE = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausa
                           "GPT2LMHeadModel"})
 
 
+# Architectures whose recurrent layers transformers continues exactly from a stored state (their
+# many-token scans take the previous state: initial_states / initial_state), with the config field
+# of their own scan chunk (None: gated DeltaNet's fixed 64), which a pool chunk must be a multiple
+# of (kvpool.connectors.hf_state).
+STATEFUL = {"Mamba2ForCausalLM": "chunk_size", "Qwen3NextForCausalLM": None}
+
+
+def architecture(config) -> str:
+    archs = getattr(text_config(config), "architectures", None) or getattr(config, "architectures", None) or [""]
+    return archs[0] or ""
+
+
 class UnsupportedModel(BadRequest):
     """A model family the pool cannot serve correctly: refused before any request."""
 
@@ -102,5 +114,4 @@ def is_latent(config) -> bool:
 
 def engine_scope(config, engine: str, fallback: str = "") -> str:
     """``""`` (chunks shared across engines) for a family in :data:`CROSS_ENGINE`, else ``engine``."""
-    archs = getattr(text_config(config), "architectures", None) or getattr(config, "architectures", None) or [fallback]
-    return "" if archs and archs[0] in CROSS_ENGINE else engine
+    return "" if (architecture(config) or fallback) in CROSS_ENGINE else engine

@@ -27,12 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.connectors.families import UnsupportedModel
+from kvpool.connectors.families import STATEFUL, UnsupportedModel
 
-# Architectures whose recurrent layers transformers continues exactly from a state (their
-# many-token scans take the previous state: initial_states / initial_state), with their own scan
-# chunk (a chunk of the pool must be a multiple of it).
-STATEFUL = {"Mamba2ForCausalLM": "chunk_size", "Qwen3NextForCausalLM": None}
 DELTANET_CHUNK = 64  # torch_chunk_gated_delta_rule's chunk_size (transformers' Qwen3-Next)
 
 

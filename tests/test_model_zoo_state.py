@@ -150,3 +150,11 @@ def test_layers_that_reuse_another_layers_kv_are_refused_clearly(cls):
     for engine in ("transformers connector", "KVPoolConnector"):
         with pytest.raises(UnsupportedModel, match=r"layer 4 .* reuses another layer's.*without the pool"):
             layer_kinds(cfg, engine=engine, states=engine.startswith("transformers"))
+
+
+def test_kvpool_up_sizes_pages_for_them_only_from_page_size(tmp_path):
+    from kvpool.cluster.sizing import model_chunk
+
+    build("qwen3-next").save_pretrained(tmp_path)  # a checkpoint: its config names the architecture
+    with pytest.raises(BadRequest, match="--page-size .*chunk_nbytes"):
+        model_chunk(str(tmp_path), CHUNK, "float32")
