@@ -158,3 +158,23 @@ def test_kvpool_up_sizes_pages_for_them_only_from_page_size(tmp_path):
     build("qwen3-next").save_pretrained(tmp_path)  # a checkpoint: its config names the architecture
     with pytest.raises(BadRequest, match="--page-size .*chunk_nbytes"):
         model_chunk(str(tmp_path), CHUNK, "float32")
+
+
+def test_kv_and_state_through_a_nodes_shard_serve_another_instance():
+    """The chunks with their states through the node path (a shard on local Ray, its slab and page
+    table, the checksums): a second model instance loads the first one's KV and state and gives
+    the logits of recomputing."""
+    from kvpool.cluster.local import local_cluster_pool
+    from kvpool.tenants import Tenant
+
+    close_local_pools()
+    first = build("qwen3-next")
+    spec = HFConnector(first, config={"chunk_tokens": CHUNK, "dram_mib": 16, "pool": "state-spec"}).spec
+    close_local_pools()
+    ids = zoo.prompt(3 * CHUNK + 20, seed=11, vocab=512)
+    with local_cluster_pool(spec, [Tenant("a")], dram_chunks=16) as pool:
+        assert HFConnector(first, pool, tenant="a").prefill(ids).saved_chunks == 3
+        other = build("qwen3-next")  # another instance of the same weights
+        r = HFConnector(other, pool, tenant="a").prefill(ids)
+        assert r.loaded_tokens == 3 * CHUNK
+        assert within(r.logits[0], full_logits(other, ids)[3 * CHUNK:])
