@@ -118,12 +118,13 @@ class HFConnector:
         device = next(self.model.parameters()).device
         if self.states is not None:  # the attention layers' KV, and every recurrent layer's state at the last's end
             assert tokens == len(chunks) * self.spec.chunk_tokens, (tokens, len(chunks))
-            kv = torch.cat(chunks, dim=2)
+            att = [self.states.storage[layer][0] for layer in self.states.attention]
+            kv = torch.cat([ch[att] for ch in chunks], dim=2) if att else None  # the attention layers only
             for layer, where in enumerate(self.states.storage):
                 if layer in self.states.shapes:
                     hf_state.restore(cache, layer, *(t.to(device) for t in self.states.unpack(chunks[-1], layer)))
                 else:
-                    k, v = kv[where[0], 0], kv[where[0], 1]
+                    k, v = kv[att.index(where[0]), 0], kv[att.index(where[0]), 1]
                     cache.update(k.permute(1, 0, 2).unsqueeze(0).to(device), v.permute(1, 0, 2).unsqueeze(0).to(device),
                                  layer)
             return cache
