@@ -3,8 +3,8 @@ connector from `kvpool connect vllm`, HTTP requests, a restart, a second server,
 `kvpool down --stop-ray`.
 
 The commands come from the README itself (its ```sh blocks between the quickstart markers), run in
-one bash (``set -euo pipefail``) from a scratch folder that links the repository's ``.venv``,
-``.venv-engines`` and ``docs``. Only the ports change (free ones for 8000 and 8001); ``$HOME`` is
+one bash (``set -euo pipefail``) from a scratch folder that links the repository's venvs and
+top-level entries. Only the ports change (free ones for 8000 and 8001); ``$HOME`` is
 the scratch folder (the pool secret, the engine's credentials, the record of the Ray head `kvpool up`
 started), and ``$KVPOOL_RUN_DIR`` a folder of its own. Then the answers are checked:
 
@@ -58,8 +58,9 @@ def test_quickstart_blocks_are_found():
 
 
 def env_for(home: str, run_dir: str) -> dict:
+    # RAY_AUTH: `kvpool up`'s default, Ray with its token; PYTHONSAFEPATH: the tests' own (conftest), not a user's
     drop = ("VLLM_", "RAY_ADDRESS", "KVPOOL_SECRET", "KVPOOL_RUN_DIR", "KVPOOL_LOCAL_RAY_RECORD", "KVPOOL_CREDENTIAL",
-            "RAY_AUTH")  # RAY_AUTH: `kvpool up`'s default, Ray with its token
+            "RAY_AUTH", "PYTHONSAFEPATH")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     # NOTE: the SmolLM2 checkpoint is written once per machine under the real home (not per test)
     smollm2 = env.get("KVPOOL_SMOLLM2_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvpool", "smollm2")
@@ -88,8 +89,10 @@ def run(tmp_path_factory):
     home, run_dir = str(work / "home"), str(work / "run")
     os.makedirs(home)
     os.makedirs(run_dir)
-    for name in (".venv", ".venv-engines", "docs"):
-        os.symlink(os.path.join(REPO, name), work / name)
+    # the repository's folder, as a user has it: its venvs, docs and top-level packages (kernels/ among them)
+    for name in os.listdir(REPO):
+        if name in (".venv", ".venv-engines") or not name.startswith("."):
+            os.symlink(os.path.join(REPO, name), work / name)
     ports = {"8000": str(free_port()), "8001": str(free_port())}
     steps = []
     for i, block in enumerate(quickstart_blocks(open(README).read()), 1):
