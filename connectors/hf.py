@@ -122,7 +122,7 @@ class HFConnector:
             kv = torch.cat([ch[att] for ch in chunks], dim=2) if att else None  # the attention layers only
             for layer, where in enumerate(self.states.storage):
                 if layer in self.states.shapes:
-                    hf_state.restore(cache, layer, *(t.to(device) for t in self.states.unpack(chunks[-1], layer)))
+                    hf_state.restore(cache, layer, *(t.to(device) for t in self.states.unpack(chunks[-1], layer)), tokens)
                 else:
                     k, v = kv[att.index(where[0]), 0], kv[att.index(where[0]), 1]
                     cache.update(k.permute(1, 0, 2).unsqueeze(0).to(device), v.permute(1, 0, 2).unsqueeze(0).to(device),

@@ -77,13 +77,18 @@ def snapshot(cache, layout: StateLayout) -> dict:
             for i in layout.shapes}
 
 
-def restore(cache, layer: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
-    """Puts a state into ``cache``'s layer ``layer`` as if its prefix had just been run."""
+def restore(cache, layer: int, conv: torch.Tensor, rec: torch.Tensor, tokens: int) -> None:
+    """Puts a state into ``cache``'s layer ``layer`` as if its ``tokens``-token prefix had just been run."""
     lay = cache.layers[layer]
     lay.lazy_initialization(conv_states=conv, recurrent_states=rec, conv_kernel_size=conv.shape[-1])
     lay.conv_states[0].copy_(conv)
     lay.recurrent_states[0].copy_(rec)
     lay.has_previous_state[0] = True
+    # NOTE: transformers >= 5.25 counts the tokens a recurrent layer has seen, and a model whose first layer is
+    # recurrent takes the next token's position from that count (cache.get_seq_length() reads layer 0)
+    seen = getattr(lay, "cumulative_length_linear", None)
+    if seen is not None:
+        seen.fill_(tokens)
 
 
 def state_layout(model, kinds: tuple[str, ...], chunk_tokens: int, forward) -> StateLayout:
