@@ -7,8 +7,11 @@ process, for tests: it dies with the engine.) ``kv_transfer_config(**pool_config
 The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
 ``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
 checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
-share; hybrid (state-space, linear-attention) and MLA models are refused at start, sliding-window
-models served (the window's tail loaded, each chunk saved while vLLM still holds its blocks). Tensor- and pipeline-parallel
+share; state-space, linear-attention and MLA models are refused at start. It declares vLLM's
+``SupportsHMA``, so vLLM keeps its hybrid allocator on: every attention KV cache group is served,
+full and sliding-window (Gemma 2/3's mix, Mistral's window), each group's layers in its own blocks,
+of a sliding window only the tail loaded, each chunk saved while vLLM still holds its blocks
+(:mod:`kvpool.connectors.vllm_spec`). Tensor- and pipeline-parallel
 engines: the spec is the whole model's and each rank saves and loads its own heads' and layers'
 slices (:mod:`kvpool.connectors.vllm_spec`, :mod:`kvpool.slices`), so any TP size reads them. A lossy ``"storage_format"``
 (opt-in) is quantized by the worker's saves and dequantized by its loads; the format is in the key.
@@ -19,12 +22,17 @@ Lifecycle, per request:
   asks the pool how many leading chunks it holds whole, every rank's slices (one lookup); a full hit leaves the last token to
   compute, and hits the measured break-even says to recompute are declined. ``update_state_after_
   alloc`` / ``build_connector_meta`` turn it into a load and, per prefill step, how far it is;
-- worker: ``start_load_kv`` loads that range before the forward and scatters it into the
-  request's blocks (:mod:`kvpool.connectors.vllm_layout`); chunks the pool cannot return
+- worker: ``start_load_kv`` loads that range and scatters it into the request's blocks
+  (:mod:`kvpool.connectors.vllm_layout`). One KV cache group: before the forward, and chunks the pool cannot return
   (evicted, failed checksum, shard down) are reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes from the first of them (policy
   ``recompute``; vLLM unions the ranks' failed blocks, so one rank's failure is every rank's); ``wait_for_save`` gathers every whole prompt chunk the forward has just
-  completed and saves it (not after a failed load: the recompute's step saves them).
+  completed and saves it (not after a failed load: the recompute's step saves them). Several
+  groups (vLLM cannot map a failed block back to its request there): the load is asynchronous
+  (``get_num_new_matched_tokens`` says so; the request waits one engine step), runs after the
+  step's forward, and is reported by request through ``get_transfer_results``; a failed one is
+  in ``failed_recving`` and vLLM recomputes the request whole (the scheduler then loads nothing
+  for it).
 
 Tenants: a request is served as the tenant whose request secret (``request_secret``, or the one
 derived from its credential: :mod:`kvpool.connectors.tenancy`) is its ``cache_salt`` (the OpenAI
@@ -36,8 +44,8 @@ salt. The salt is not in the keys (the tenant's namespace isolates); LoRA adapte
 Start-up: a pool that does not answer is ``Unavailable`` (with ``"degraded": true``: a WARNING and
 DEGRADED figures); figures go to ``kvpool stats`` every few seconds (``shutdown``: goodbye).
 
-NOTE: loads and saves are synchronous and whole-forward (the layer-wise hooks are no-ops): on CPU
-there is nothing to overlap with, and a failed load never races a forward.
+NOTE: loads and saves are whole-forward (the layer-wise hooks are no-ops) and run in the step's
+thread: on CPU there is nothing to overlap with, and a failed load never races a forward.
 """
 
 from __future__ import annotations
@@ -48,7 +56,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -56,7 +69,7 @@ from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.pools import PoolHealth, Reporter, open_pool
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of, split_config
-from kvpool.connectors.vllm_spec import group_window, model_spec, rank_slicing
+from kvpool.connectors.vllm_spec import cache_groups, model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.errors import BadRequest
 
@@ -91,9 +104,13 @@ class _Plan:
     load_tokens: int = 0  # external tokens vLLM accepted, loaded in the request's next step
     declined: bool = False  # the break-even said recompute
     sent: bool = False  # the worker has the keys
+    local: int = 0  # tokens vLLM's own prefix cache held at the last lookup (a load starts there)
+    looked: bool = False  # a lookup came before this allocation (not an asynchronous load's second one)
+    pending: tuple | None = None  # an asynchronous load for the next step: (lo, hi, block ids per group)
+    load_failed: bool = False  # an asynchronous load failed: vLLM recomputes the request, nothing is loaded
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """The kvpool as vLLM's external prefix cache (``kv_role`` ``kv_both``), or one side of
     prefill/decode disaggregation through the pool (``kv_producer``, ``kv_consumer``)."""
 
@@ -127,6 +144,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                         "'recompute' (set it in kv_transfer_config to silence this)", xfer.kv_load_failure_policy)
             xfer.kv_load_failure_policy = "recompute"
         self.spec = model_spec(vllm_config, kv_cache_config, pool_config, own)  # the whole model's, every rank's
+        self.groups = cache_groups(kv_cache_config)
+        self.async_loads = len(self.groups) > 1  # block-level load failures are refused by vLLM there
         self.slicing = rank_slicing(vllm_config, self.spec, worker=role == KVConnectorRole.WORKER)
         self.pool = open_pool(self.spec, pool_config, self.slicing)  # not answering: Unavailable, or degraded
         self.health = PoolHealth(self.pool)
@@ -138,7 +157,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.reporter = (Reporter(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.figures)
                          if role == KVConnectorRole.SCHEDULER else None)
         self.worker = (PoolWorker(self.pool, self.slicing.rank_spec(self.spec), self.block_size, vllm_config,
-                                  saves=self.saves, window=group_window(kv_cache_config))
+                                  saves=self.saves, cache_groups=self.groups)
                        if role == KVConnectorRole.WORKER else None)
 
     requires_kv_delivery = False  # a dropped save is a future miss, never lost data
@@ -200,6 +219,10 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self._plan(request)
+        plan.looked, plan.local = True, num_computed_tokens
+        if plan.load_failed:  # recomputed whole, once, and every chunk saved again
+            plan.pool_chunks = 0
+            return 0, False
         if plan.tenant is None:
             return 0, False
         if not self.health.up():  # DEGRADED: the pool does not answer; no call until it does
@@ -221,14 +244,19 @@ class KVPoolConnector(KVConnectorBase_V1):
         if ext < self.load_min_tokens or (shortest is not None and ext < shortest):
             plan.declined = True
             return 0, False
-        return ext, False
+        return ext, self.async_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         plan = self._plan(request)
-        plan.load_tokens = num_external_tokens
         plan.sent = False  # a new or resumed request: send keys and the whole block list again
-        if plan.tenant is None:
+        if plan.tenant is None or not plan.looked:  # (the allocation after an asynchronous load: counted)
             return
+        plan.looked = False
+        if num_external_tokens > 0 and self.async_loads:
+            lo = plan.local
+            plan.pending = (lo, lo + num_external_tokens, [list(b) for b in blocks.get_block_ids()])
+        else:
+            plan.load_tokens = num_external_tokens
         self._count("requests")
         if num_external_tokens > 0:
             self._count("loads_planned")
@@ -244,7 +272,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         for req in scheduler_output.scheduled_new_reqs:
             n = sched.get(req.req_id, 0)
             meta.prefill_tokens += n
-            self._add_step(meta, req.req_id, req.num_computed_tokens, n, list(req.block_ids[0]), True)
+            self._add_step(meta, req.req_id, req.num_computed_tokens, n, [list(b) for b in req.block_ids], True)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             n = sched.get(req_id, 0)
@@ -253,10 +281,18 @@ class KVPoolConnector(KVConnectorBase_V1):
             new_blocks = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             self._add_step(meta, req_id, cached.num_computed_tokens[i], n,
-                           list(new_blocks[0]) if new_blocks is not None else [], resumed)
+                           [list(b) for b in new_blocks] if new_blocks is not None else [[] for _ in self.groups],
+                           resumed)
+        for req_id, plan in self._plans.items():
+            if plan.pending is not None:  # asynchronous: this step's forward does not wait for it
+                lo, hi, blocks = plan.pending
+                meta.steps.append(ReqStep(req_id, computed_before=hi, computed_after=hi, block_ids=blocks,
+                                          replace_blocks=True, keys=plan.keys, tenant=plan.tenant,
+                                          pool_chunks=plan.pool_chunks, load=(lo, hi), load_async=True))
+                plan.pending, plan.sent = None, True
         return meta
 
-    def _add_step(self, meta: PoolStepMeta, req_id: str, computed: int, scheduled: int, blocks: list[int],
+    def _add_step(self, meta: PoolStepMeta, req_id: str, computed: int, scheduled: int, blocks: list[list[int]],
                   whole_list: bool) -> None:
         plan = self._plans.get(req_id)
         if plan is None or plan.tenant is None:
@@ -278,6 +314,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         meta.steps.append(step)
 
     def update_connector_output(self, connector_output) -> None:
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                plan.load_failed = True
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(wm, PoolWorkerMeta):
             return
@@ -294,7 +334,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             if k in ("loaded_tokens", "load_failures", "failed_tokens"):
                 self._xfer[k] = self._xfer.get(k, 0) + v
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
         return False, None  # saves finish inside the step (wait_for_save): the blocks can go now
 
@@ -324,9 +365,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         if isinstance(meta, PoolStepMeta):
             self.worker.save(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The asynchronous loads this step ran (every rank reports each: vLLM waits for all), and
+        which of them failed; saves finish inside the step, so none is ever pending."""
         self.worker.forget(finished_req_ids)
-        return None, None
+        done, failed = self.worker.take_transfers()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed_blocks()

@@ -43,12 +43,13 @@ class ReqStep:
     req_id: str
     computed_before: int  # tokens vLLM counts as computed before this step (local + loaded)
     computed_after: int  # prompt tokens whose KV is in the cache once this step ran
-    block_ids: list[int] = field(default_factory=list)
-    replace_blocks: bool = False  # a new or resumed request: block_ids is the whole list
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group (vLLM's order)
+    replace_blocks: bool = False  # a new or resumed request: block_ids are the whole lists
     keys: list[Any] | None = None
     tenant: str | None = None  # what the pool is passed: the tenant's credential (secured pool) or id
     pool_chunks: int = 0  # leading chunks the pool held at lookup (not saved again)
     load: tuple[int, int] | None = None  # token range [lo, hi) to load from the pool this step
+    load_async: bool = False  # the load runs after the forward and is reported by request (several groups)
 
 
 @dataclass

