@@ -4,8 +4,10 @@
   model as one sliding-window group and frees each request's blocks as they leave the window. The
   connector saves each chunk in the step that completes it and, on a hit, loads only the window's
   tail (the first chunks' blocks vLLM no longer holds; their KV is never attended to again).
-- Gemma 2 (sliding and full layers alternating, same window): vLLM pages it as one full-attention
-  group with this connector (its hybrid allocator is off), every layer's KV kept and loaded.
+- Gemma 2 (sliding and full layers alternating, same window): vLLM's hybrid allocator (on: the
+  connector declares SupportsHMA) pages it as a full-attention group and a sliding-window group,
+  each layer in its group's blocks; the load is asynchronous and fills the full layer's blocks
+  whole and the sliding layer's with the window's tail.
 
 For each, a server answers a prompt cold (saving its chunks), is stopped, and a new server on the
 same pool answers it again from the pool: every whole chunk is a pool hit (vLLM's
@@ -33,8 +35,6 @@ MODELS = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False)),
     "gemma2": ("Gemma2Config", dict(tie_word_embeddings=True, query_pre_attn_scalar=64)),  # vLLM's Gemma ties them
 }
-
-
 def save_model(path, family: str, seed: int = 0) -> str:
     import torch
     import transformers
@@ -76,7 +76,8 @@ def answers(tmp_path_factory):
         pool.up(dram_pages=200)
         run("1", lambda f, srv: out[f].update(cold=answer(srv, prompts[f])))
         run("2", lambda f, srv: out[f].update(loaded=answer(srv, prompts[f]),
-                                              other=answer(srv, random_prompt(PROMPT, seed=99))))
+                                              other=answer(srv, random_prompt(PROMPT, seed=99)),
+                                              log=srv.log_path.read_text()))
         yield out
     finally:
         for server in servers:
@@ -92,3 +93,6 @@ def test_a_restarted_server_loads_a_sliding_window_models_chunks_with_the_cold_a
     assert loaded[2] == WHOLE, f"the restarted server loaded {loaded[2]} of the {WHOLE} tokens saved"
     assert loaded[0] == got["cold"][0] and loaded[1] == got["cold"][1], (loaded, got["cold"])  # bit for bit
     assert got["other"][2] == 0 and got["other"][0] != got["cold"][0]  # a control: another prompt, another answer
+    assert "Turning off hybrid kv cache manager" not in got["log"]  # the connector declares SupportsHMA
+    if family == "gemma2":  # vLLM's hybrid allocator made a group of each kind (it logs only several groups)
+        assert "kv cache group sizes (32, 32)" in got["log"]
