@@ -17,6 +17,7 @@ and their greedy answers compared (:mod:`kvpool.connectors.bench.ttft_real`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 
@@ -44,6 +45,20 @@ def small_qwen2():
                       initializer_range=0.2, tie_word_embeddings=False, use_sliding_window=False)
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg).eval()
+
+
+def hybrid_model():
+    """A random-weight Gemma 2 in the benchmark Llama's shape (8 layers, hidden 512, 8 heads over 4
+    KV heads of 64), sliding (window 1,024) and full layers alternating: vLLM's hybrid allocator
+    pages it as a full-attention group and a sliding-window group."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, query_pre_attn_scalar=64,
+                       sliding_window=1024, max_position_embeddings=32768, initializer_range=0.2,
+                       tie_word_embeddings=True)  # vLLM's Gemma ties them
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(cfg).eval()
 
 
 STATE_MODELS = ("mamba2", "qwen3-next")
@@ -160,9 +175,10 @@ def _measure_hf(conn, prompts: list[torch.Tensor], new_tokens: int, progress: bo
 def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | None = None,
              model: str = "random") -> list[dict]:
     """The same random Llama as the transformers rows, saved for vLLM (or ``model="smollm2"``: the
-    real model's checkpoint and prompts); per context: cold, the pool hit in a fresh engine and
-    vLLM's own prefix-cache hit in that same engine (medians of ``repeats``: default 5 up to 4K
-    tokens, 1 above)."""
+    real model's checkpoint and prompts, or ``"gemma2"``: :func:`hybrid_model`, measured with vLLM's
+    hybrid allocator on and again with it off, where vLLM pages every layer in one group); per
+    context: cold, the pool hit in a fresh engine and vLLM's own prefix-cache hit in that same
+    engine (medians of ``repeats``: default 5 up to 4K tokens, 1 above)."""
     import tempfile
 
     import numpy as np
@@ -181,12 +197,15 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | Non
             prompts, d, max_len = real.prompts([n for _, n in sizes]), str(smollm2.checkpoint()), real.max_positions()
         else:
             sizes, max_len = [(c, c) for c in contexts], None
-            bench_model().save_pretrained(d)
+            (hybrid_model() if model == "gemma2" else bench_model()).save_pretrained(d)
             prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 4096, ctx)] for i, ctx in enumerate(contexts)]
-        with Progress(len(contexts), "bench ttft (vllm)", enabled=progress) as bar:
-            for (asked, ctx), tokens in zip(sizes, prompts):
+        allocators = {"hybrid": {}, "off": {"disable_hybrid_kv_cache_manager": True}} if model == "gemma2" else {None: {}}
+        with Progress(len(contexts) * len(allocators), "bench ttft (vllm)", enabled=progress) as bar:
+            for ((asked, ctx), tokens), (allocator, engine_args) in itertools.product(zip(sizes, prompts),
+                                                                                     allocators.items()):
                 reps = repeats if repeats is not None else 5 if ctx <= 4096 else 1
-                r = vllm_bench.measure_ttft(tokens, d, repeats=reps, max_model_len=max_len or max(2048, ctx + 64))
+                r = vllm_bench.measure_ttft(tokens, d, repeats=reps, max_model_len=max_len or max(2048, ctx + 64),
+                                            **engine_args)
                 rows.append({"engine": "vllm", "context": ctx, "repeats": reps, "protocol": r["protocol"],
                              "cold_ttft_s": r["cold_ttft_s"],
                              "warm_ttft_s": r["warm_ttft_s"], "native_hit_ttft_s": r["native_hit_ttft_s"],
@@ -199,15 +218,19 @@ def run_vllm(vllm_bench, contexts: list[int], progress: bool, repeats: int | Non
                 if model == "smollm2":
                     rows[-1].update(model="smollm2", asked_context=asked, answer_tokens=r["cold_tokens"],
                                     answer=real.answer_text(r["cold_tokens"]))
-                bar.advance(note=f"{ctx} tokens")
+                if allocator is not None:
+                    rows[-1].update(model=model, hybrid_allocator=allocator, kv_cache_groups=r["kv_cache_groups"])
+                bar.advance(note=f"{ctx} tokens" + (f", hybrid allocator {allocator}" if allocator else ""))
     return rows
 
 
 def run(engine: str, contexts: list[int], progress: bool = True, backend: str | None = None,
         repeats: int | None = None, compare_local: bool = True, model: str = "random") -> list[dict] | dict:
-    if model not in ("random", "smollm2", "qwen2", *STATE_MODELS):
+    if model not in ("random", "smollm2", "qwen2", "gemma2", *STATE_MODELS):
         raise BadRequest(f"--model {model!r}: choose random (the random-weight benchmark Llama), qwen2, smollm2, "
-                         f"{' or '.join(STATE_MODELS)}")
+                         f"gemma2, {' or '.join(STATE_MODELS)}")
+    if model == "gemma2" and engine != "vllm":
+        raise BadRequest("--model gemma2 (vLLM's hybrid allocator, on and off) is measured with --engine vllm only")
     if model in STATE_MODELS and engine != "hf":
         raise BadRequest(f"--model {model} (recurrent state in the pool) is measured with --engine hf only")
     if model == "qwen2" and engine != "vllm-server":
@@ -273,6 +296,9 @@ def format_table(rows: list[dict] | dict) -> str:
         lines.append(f"{r['engine']:<7}{r['context']:>8}{r['cold_ttft_s']:>9.3f}{r['warm_ttft_s']:>9.3f}"
                      f"{r['cold_ttft_s'] / r['warm_ttft_s']:>9.1f}x{'' if native is None else f'{native:.3f}':>14}"
                      f"{'' if ratio is None else f'{ratio:.2f}x':>13}  {r['same_output']}")
+        if "hybrid_allocator" in r:
+            lines.append(f"        vLLM's hybrid allocator {r['hybrid_allocator']}: {r['kv_cache_groups']} KV cache "
+                         f"group(s), {r['loaded_tokens']} tokens loaded")
         if "fill_s" in r:
             lines.append(f"        the saving prefill {r['fill_s']:.3f} s ({r['fill_vs_cold']:.2f}x cold); "
                          f"{r['chunk_bytes'] / 2**20:.2f} MiB a chunk, {r['stored_bytes_per_token'] / 1024:.1f} KiB a token")

@@ -154,6 +154,7 @@ def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 2
             loaded.append({key: s1.get(key, 0) - s0.get(key, 0) for key in ("loaded_tokens", "load_us", "load_pool_us")})
             native_pool.append(_delta(llm, s1, "matched_tokens"))
         breakeven = scheduler_connector(llm).stats().get("breakeven")
+        groups = len(scheduler_connector(llm).groups)
     finally:
         shutdown_engine(llm)
         del llm
@@ -177,5 +178,5 @@ def measure_ttft(context_tokens: list[int], model: str, *, chunk_tokens: int = 2
         "native_cached_tokens": min(x[3] for x in native), "native_pool_tokens": max(native_pool),
         "warm_load_s": median(x["load_us"] for x in loaded) / 1e6,
         "warm_load_pool_s": median(x["load_pool_us"] for x in loaded) / 1e6,
-        "engine_start_s": start_s, "breakeven": breakeven,
+        "engine_start_s": start_s, "breakeven": breakeven, "kv_cache_groups": groups,
     }

@@ -322,11 +322,13 @@ def add_bench_parser(sub) -> None:
     bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
     bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
                     help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
-    bt.add_argument("--model", choices=["random", "qwen2", "smollm2", "mamba2", "qwen3-next"], default="random",
+    bt.add_argument("--model", choices=["random", "qwen2", "smollm2", "gemma2", "mamba2", "qwen3-next"], default="random",
                     help="random: a random-weight Llama (exactness); qwen2 (vllm-server): a random-weight Qwen2 "
                     "a small Qwen2 shape (5 layers, hidden 768, 12 heads over 3 KV heads); smollm2: the real SmolLM2-135M-Instruct on "
-                    "real English prompts, its answers with and without the pool compared; mamba2, qwen3-next "
-                    "(hf): random-weight models with recurrent layers, their state stored in the chunks")
+                    "real English prompts, its answers with and without the pool compared; gemma2 (vllm): a "
+                    "random-weight Gemma 2 (sliding and full layers) with vLLM's hybrid allocator on, then off; "
+                    "mamba2, qwen3-next (hf): random-weight models with recurrent layers, their state stored in "
+                    "the chunks")
     bt.add_argument("--context", default=None, help="prompt lengths in tokens, comma-separated (default "
                     "1024,4096,16384; vllm-server: one, default 4096; smollm2: 1024,4096,8192, the last measured "
                     "at 8192 minus the answer)")

@@ -183,3 +183,23 @@ def test_a_failed_load_of_several_groups_is_recomputed_whole_and_reported_by_req
     finally:
         shutdown_engine(llm)
         close_local_pools()
+
+
+def test_bench_ttft_measures_a_hybrid_model_with_the_allocator_on_and_off():
+    """``kvpool bench ttft --engine vllm --model gemma2``: one tiny run through the CLI; with vLLM's
+    hybrid allocator on (two groups, asynchronous loads) and off (one group), the pool hit loads
+    every whole chunk and answers as recomputing does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "kvpool.cli", "bench", "ttft", "--engine", "vllm", "--model", "gemma2",
+                        "--context", "600", "--repeats", "1", "--json"], cwd=repo, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    rows = json.loads(r.stdout)
+    assert [(x["hybrid_allocator"], x["kv_cache_groups"]) for x in rows] == [("hybrid", 2), ("off", 1)]
+    for x in rows:
+        assert x["same_output"] and x["loaded_tokens"] == 512 and x["cold_ttft_s"] > 0 < x["warm_ttft_s"], x
