@@ -27,13 +27,20 @@ def _demo(args: argparse.Namespace) -> int:
 def _sim(args: argparse.Namespace) -> int:
     from kvpool.sim import run
 
-    caps = run.parse_capacities(args.capacity)
-    policies = run.parse_policies(args.policy)
     source, reqs = run.load(args.trace, args.workload, args.requests, args.seed)
-    rows = run.simulate(reqs, source, policies, caps, progress=not args.json, with_belady=not args.no_belady)
+    if args.instances:  # routing policies over clusters of engine instances
+        from kvpool.sim import routes as shown
+
+        rows = shown.run(reqs, source, shown.parse_instances(args.instances), per_node=args.per_node,
+                         gpu_blocks=args.gpu_blocks, node_blocks=args.node_blocks, utilization=args.utilization,
+                         progress=not args.json)
+    else:
+        shown = run
+        rows = run.simulate(reqs, source, run.parse_policies(args.policy), run.parse_capacities(args.capacity),
+                            progress=not args.json, with_belady=not args.no_belady)
     if args.plot:
-        run.plot(rows, args.plot)
-    emit(rows) if args.json else print(run.format_table(rows))
+        shown.plot(rows, args.plot)
+    emit(rows) if args.json else print(shown.format_table(rows))
     if args.plot and not args.json:
         print(f"plot: {args.plot}")
     return 0
@@ -218,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print the result as JSON")
     d.set_defaults(func=_demo)
 
-    s = sub.add_parser("sim", help="replay a trace or workload through eviction policies")
+    s = sub.add_parser("sim", help="replay a trace or workload through eviction policies, or (--instances) through "
+                       "routing policies over clusters of engine instances")
     s.add_argument("--trace", help="Mooncake-format jsonl (default: ../shared/data/mooncake/conversation_trace.jsonl)")
     s.add_argument("--workload", help="generate one instead: chat, rag, agent, tenants")
     s.add_argument("--capacity", default="1000,4000,16000", help="blocks, comma-separated (default 1000,4000,16000)")
@@ -227,7 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of a generated workload")
     s.add_argument("--no-belady", action="store_true", help="skip the offline optimum")
     s.add_argument("--json", action="store_true", help="rows as JSON")
-    s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity (or TTFT and locality vs instances)")
+    s.add_argument("--instances", help="routing: engine instances per cluster, comma-separated (e.g. 8,32,128)")
+    s.add_argument("--per-node", type=int, default=4, help="routing: instances a node (default 4)")
+    s.add_argument("--gpu-blocks", type=int, default=600, help="routing: 512-token blocks each instance's GPU cache "
+                   "holds (default 600)")
+    s.add_argument("--node-blocks", type=int, default=8000, help="routing: blocks each node's shard holds (default 8000)")
+    s.add_argument("--utilization", type=float, default=0.7, help="routing: the share of the instances' time cold "
+                   "prefill would take (the trace's clock is scaled to it; default 0.7)")
     s.set_defaults(func=_sim)
 
     add_up_parser(sub, _up)

@@ -1,0 +1,129 @@
+"""Prefix-aware routing: the engine instance where a request's time to first token is expected lowest.
+
+A request's prompt is a chain of chunks (kvpool's keys: each names its whole prefix). On a given
+instance each leading chunk is in one of four tiers, the cheapest that holds it:
+
+- ``gpu``: the instance's own KV cache (vLLM's prefix cache, known from its KV events): free;
+- ``node``: the pool's shard on the instance's node (shared memory);
+- ``remote``: the pool's shard on another node (one network read);
+- ``miss``: nowhere: this chunk and every later one are prefilled.
+
+:class:`CostModel` turns the tokens of each tier into seconds (per-token load costs by tier and the
+prefill cost per token: the figures the connectors measure for their load-or-recompute decision,
+:mod:`kvpool.connectors.breakeven`), and a policy picks an instance from the chunk tiers and each
+instance's backlog (the seconds of work queued ahead of a new request). The policies, side by side
+in the simulator (:mod:`kvpool.sim.cluster`):
+
+- ``round-robin``: the next instance, whatever it holds;
+- ``least-loaded``: the smallest backlog;
+- ``gpu-prefix``: backlog plus the prefill of what the instance's own GPU cache lacks (what KV-aware
+  routers that see only engine caches do: llm-d's prefix scorer, Dynamo's KV router);
+- ``tier-aware``: backlog plus the full expected cost: the GPU cache, then the node's shard, then
+  the pool elsewhere, then prefill (kvpool's router).
+
+Pure functions over plain data: no network, no engine; a tenant's chunks are looked up under its
+own keys only, so a decision never depends on another tenant's prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvpool.errors import BadRequest
+
+TIERS = ("gpu", "node", "remote", "miss")
+POLICIES = ("round-robin", "least-loaded", "gpu-prefix", "tier-aware")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per token: of prefill, and of loading from each tier (a GPU-cache hit costs nothing)."""
+
+    prefill_s: float
+    node_s: float
+    remote_s: float
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_s, self.node_s, self.remote_s) < 0:
+            raise BadRequest(f"CostModel: costs are seconds per token, never negative ({self})")
+
+    def seconds(self, tokens: dict[str, int]) -> float:
+        """The time to first token's work for ``tokens`` by tier (queueing not included)."""
+        return (tokens.get("node", 0) * self.node_s + tokens.get("remote", 0) * self.remote_s
+                + tokens.get("miss", 0) * self.prefill_s)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """An engine instance as the router sees it: its name, its node, and its backlog in seconds."""
+
+    name: str
+    node: str
+    backlog_s: float = 0.0
+
+
+def tiers(chunk_tokens: Sequence[int], in_gpu: Callable[[int], bool], pool_node: Callable[[int], str | None],
+          node: str) -> dict[str, int]:
+    """Tokens by tier of one request on an instance of ``node``: ``chunk_tokens[j]`` is chunk j's
+    length; ``in_gpu(j)`` whether the instance's own cache holds chunk j, ``pool_node(j)`` the node
+    whose shard holds it (None: not in the pool). A chunk nowhere is a miss, and so is every later
+    one (each names its whole prefix)."""
+    out = dict.fromkeys(TIERS, 0)
+    for j, n in enumerate(chunk_tokens):
+        if in_gpu(j):
+            out["gpu"] += n
+            continue
+        at = pool_node(j)
+        if at is None:
+            out["miss"] += sum(chunk_tokens[j:])
+            break
+        out["node" if at == node else "remote"] += n
+    return out
+
+
+def gpu_only(t: dict[str, int]) -> dict[str, int]:
+    """What a router that sees only engine caches expects: every token not in the GPU cache is prefilled."""
+    return {"gpu": t["gpu"], "node": 0, "remote": 0, "miss": t["node"] + t["remote"] + t["miss"]}
+
+
+class Router:
+    """Picks an instance for each request under one policy; ``choose`` is all a caller needs.
+
+    The two prefix policies route under a bound on load: an instance whose share of the work
+    recently sent (its expected seconds, decayed over the last ~``memory`` requests per instance)
+    is above ``balance`` times the mean is passed over, so that a popular prefix cannot pile its
+    whole conversation tree onto the instances that hold it (as consistent hashing with bounded
+    loads does for keys; SGLang's cache-aware router falls back to the shortest queue alike)."""
+
+    def __init__(self, policy: str, cost: CostModel, balance: float = 1.25, memory: int = 64) -> None:
+        if policy not in POLICIES:
+            raise BadRequest(f"routing policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if balance < 1 or memory < 1:
+            raise BadRequest(f"route: balance {balance} must be >= 1 and memory {memory} >= 1 request")
+        self.policy, self.cost, self.balance, self.memory = policy, cost, balance, memory
+        self._next = 0
+        self.sent: list[float] = []  # recent expected work routed to each instance, seconds
+
+    def choose(self, instances: Sequence[Instance], tokens: Sequence[dict[str, int]]) -> int:
+        """The index of the instance to send the request to; ``tokens[i]``: its tokens by tier on
+        instance i (:func:`tiers`). Ties go to the lowest index."""
+        if not instances or len(tokens) != len(instances):
+            raise BadRequest(f"route: {len(instances)} instances and {len(tokens)} tier counts; need one per instance")
+        if self.policy == "round-robin":
+            self._next = (self._next + 1) % len(instances)
+            return (self._next - 1) % len(instances)
+        if self.policy == "least-loaded":
+            return min(range(len(instances)), key=lambda i: instances[i].backlog_s)
+        view = gpu_only if self.policy == "gpu-prefix" else (lambda t: t)
+        n = len(instances)
+        if len(self.sent) != n:
+            self.sent = [0.0] * n
+        cap = self.balance * sum(self.sent) / n
+        allowed = [i for i in range(n) if self.sent[i] <= cap] or list(range(n))
+        expect = [self.cost.seconds(view(tokens[i])) for i in allowed]
+        k = min(range(len(allowed)), key=lambda j: instances[allowed[j]].backlog_s + expect[j])
+        keep = 1 - 1 / (self.memory * n)
+        self.sent = [x * keep for x in self.sent]
+        self.sent[allowed[k]] += expect[k]
+        return allowed[k]
