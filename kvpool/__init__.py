@@ -5,6 +5,27 @@ per-node chunk store, tenants and quotas, metrics and the CLI. ``kvpool.cluster`
 ``kvpool.connectors`` the engines, ``kvpool.kernels`` the Triton kernels.
 """
 
+import os as _os
+import sys as _sys
+
+
+def _off_the_checkout() -> None:
+    """Takes a kvpool checkout off ``sys.path``.
+
+    NOTE: the checkout's top-level folders install as subpackages of kvpool (``kvpool.kernels``, ...).
+    With the checkout itself on sys.path (``python -m`` run from it, or a Ray worker of a driver
+    started there: Ray adds the driver's cwd to its workers' path), its ``kernels/`` folder would be
+    imported as Hugging Face's ``kernels`` package, which transformers (>= 5.25) requires and
+    imports, and transformers would fail. Every kvpool process imports this package first."""
+    checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    if not (_os.path.isfile(_os.path.join(checkout, "pyproject.toml"))
+            and _os.path.isdir(_os.path.join(checkout, "connectors"))):
+        return  # an installed kvpool: its parent folder is site-packages
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != checkout]
+
+
+_off_the_checkout()
+
 from kvpool.errors import (
     BadRequest,
     ChunkTooLarge,

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
-
-# NOTE: the checkout's top-level folders install as subpackages of kvpool (kvpool.kernels, ...). Run from the
-# checkout, `python -m pytest` puts it first on sys.path, where its `kernels/` folder shadows Hugging Face's `kernels`
-# package, which transformers imports. The tests and every process they start see the installed packages only.
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _CHECKOUT]
-os.environ["PYTHONSAFEPATH"] = "1"
 
 import numpy as np
 import pytest

@@ -59,3 +59,21 @@ def test_every_module_outside_the_tests_reads_in_one_sitting():
                     if n > MAX_LINES:
                         long.append(f"{os.path.relpath(path, ROOT)} ({n} lines)")
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_run_from_the_checkout_its_kernels_folder_never_shadows_hugging_faces_kernels():
+    """``python -m`` from the checkout (and a Ray worker of a driver started there) has the checkout
+    on sys.path, where ``kernels/`` would be imported as Hugging Face's ``kernels`` package, which
+    transformers imports: importing kvpool takes the checkout off the path."""
+    code = ("import importlib.util, sys\nbefore = importlib.util.find_spec('kernels')\nimport kvpool\n"
+            "after = importlib.util.find_spec('kernels')\n"
+            "print(before.origin if before else None); print(after.origin if after else None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=60, env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})
+    before, after = out.stdout.split()
+    ours = os.path.join(ROOT, "kernels", "__init__.py")
+    assert before == ours  # the checkout is on the path before kvpool is imported: the control
+    assert after != ours
+    import kvpool.kernels
+
+    assert kvpool.kernels.__file__ == ours  # kvpool's own kernels, under their installed name

@@ -58,9 +58,8 @@ def test_quickstart_blocks_are_found():
 
 
 def env_for(home: str, run_dir: str) -> dict:
-    # RAY_AUTH: `kvpool up`'s default, Ray with its token; PYTHONSAFEPATH: the tests' own (conftest), not a user's
     drop = ("VLLM_", "RAY_ADDRESS", "KVPOOL_SECRET", "KVPOOL_RUN_DIR", "KVPOOL_LOCAL_RAY_RECORD", "KVPOOL_CREDENTIAL",
-            "RAY_AUTH", "PYTHONSAFEPATH")
+            "RAY_AUTH")  # RAY_AUTH: `kvpool up`'s default, Ray with its token
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     # NOTE: the SmolLM2 checkpoint is written once per machine under the real home (not per test)
     smollm2 = env.get("KVPOOL_SMOLLM2_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvpool", "smollm2")

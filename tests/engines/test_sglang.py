@@ -159,9 +159,7 @@ def test_with_sglang_host_pool(tmp_path):
     report = tmp_path / "child.xml"
     cmd = [sys.executable, "-m", "pytest", CHILD, "-q", "-p", "sglang_child.placeholders",
            "-p", "no:cacheprovider", f"--junitxml={report}"]
-    # this folder on the child's path explicitly: the tests' PYTHONSAFEPATH (conftest) keeps the cwd off it
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600)
     counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
     if report.exists():
         for suite in ET.parse(report).getroot().iter("testsuite"):
