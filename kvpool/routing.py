@@ -107,14 +107,16 @@ class Router:
 
     def choose(self, instances: Sequence[Instance], tokens: Sequence[dict[str, int]]) -> int:
         """The index of the instance to send the request to; ``tokens[i]``: its tokens by tier on
-        instance i (:func:`tiers`). Ties go to the lowest index."""
+        instance i (:func:`tiers`). Ties go to the lowest index (least-loaded: in turn)."""
         if not instances or len(tokens) != len(instances):
             raise BadRequest(f"route: {len(instances)} instances and {len(tokens)} tier counts; need one per instance")
         if self.policy == "round-robin":
             self._next = (self._next + 1) % len(instances)
             return (self._next - 1) % len(instances)
-        if self.policy == "least-loaded":
-            return min(range(len(instances)), key=lambda i: instances[i].backlog_s)
+        if self.policy == "least-loaded":  # ties (idle instances) taken in turn
+            n, start = len(instances), self._next
+            self._next = (self._next + 1) % n
+            return min(((start + k) % n for k in range(n)), key=lambda i: instances[i].backlog_s)
         view = gpu_only if self.policy == "gpu-prefix" else (lambda t: t)
         n = len(instances)
         if len(self.sent) != n:

@@ -33,7 +33,9 @@ def test_each_policy_picks_what_it_should():
     in_gpu = {"gpu": 4096, "node": 0, "remote": 0, "miss": 0}
     rr = Router("round-robin", COST)
     assert [rr.choose(instances, [cold] * 3) for _ in range(4)] == [0, 1, 2, 0]
-    assert Router("least-loaded", COST).choose(instances, [in_gpu, cold, cold]) == 1
+    least = Router("least-loaded", COST)
+    assert least.choose(instances, [in_gpu, cold, cold]) == 1
+    assert [least.choose(instances[1:], [cold] * 2) for _ in range(4)] == [1, 0, 1, 0]  # idle ones in turn
     # the prefix on b's node shard, and in c's GPU cache: only the tier-aware router sees the shard
     assert Router("tier-aware", COST).choose(instances, [in_gpu, on_node, remote]) == 1  # a's queue costs more
     assert Router("gpu-prefix", COST).choose(instances, [cold, on_node, in_gpu]) == 2
