@@ -157,3 +157,27 @@ def test_a_model_with_fewer_kv_heads_than_ranks_stores_each_head_once(tmp_path_f
         assert loaded[2] == WHOLE and same(loaded, ref)
     finally:
         mqa.close()
+
+
+def test_a_hybrid_model_at_tp2_loads_every_group_on_both_ranks(tmp_path_factory, tp):
+    """Gemma 2 (a sliding and a full group, vLLM's hybrid allocator on) at TP=2: its loads are
+    asynchronous, and vLLM waits for both ranks to report each one; the pool hit is the cold answer."""
+    from test_vllm_sliding import save_model
+
+    servers, pool, _ = tp
+    workdir = tmp_path_factory.mktemp("vllm-tp-hybrid")
+    model = save_model(workdir / "gemma2", "gemma2")
+    servers[1].close()  # room for another engine on 2 cores
+    hybrid = Server(model, workdir, pool.run_dir, name="tp2-gemma2", tensor_parallel=2,
+                    secrets={"cold": COLD_SECRET}, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        hybrid.wait_healthy()
+        prompt = random_prompt(PROMPT, seed=50)
+        ref = answer(hybrid, prompt, salt=COLD_SECRET)
+        wrote = answer(hybrid, prompt)
+        assert wrote[2] == 0 and same(wrote, ref)
+        loaded = answer(hybrid, prompt)
+        assert loaded[2] == WHOLE and same(loaded, ref), (loaded, ref)
+        assert "kv cache group sizes (32, 32)" in hybrid.log_path.read_text()
+    finally:
+        hybrid.close()
