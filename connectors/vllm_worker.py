@@ -58,7 +58,7 @@ class _Group:
     copiers of their caches (all heads, and one per head), and the tokens vLLM keeps of it."""
 
     def __init__(self, index: int, layers: list[int], copier, window: int | None) -> None:
-        self.index, self.copier, self.window = index, copier, window
+        self.index, self.copier, self.window, self.positions = index, copier, window, layers
         lo = layers[0]
         # a run of layers is a view of the chunk; others are picked out (a copy)
         self.layers = slice(lo, lo + len(layers)) if layers == list(range(lo, lo + len(layers))) \
@@ -123,9 +123,8 @@ class PoolWorker:
                 raise BadRequest(f"KVPoolConnector: the KV cache is {tuple(caches[0].shape)} (block_size, kv_heads, "
                                  f"head_dim = {got}) but the spec says {want}")
             groups.append(_Group(gi, [position[n] for n in mine], copier, window))
-        if sorted(i for g in groups for i in (range(self.spec.num_layers)[g.layers] if isinstance(g.layers, slice)
-                                             else g.layers.tolist())) != list(range(self.spec.num_layers)):
-            raise BadRequest(f"KVPoolConnector: vLLM's KV cache groups cover layers {[g.layers for g in groups]} of "
+        if sorted(i for g in groups for i in g.positions) != list(range(self.spec.num_layers)):
+            raise BadRequest(f"KVPoolConnector: vLLM's KV cache groups cover layers {[g.positions for g in groups]} of "
                              f"the {self.spec.num_layers} this rank holds, not each once")
         self.groups = groups
         log.info("KVPoolConnector: %d layers in %d KV cache group(s), %s copies, cache %s stride %s", len(names),

@@ -3,17 +3,11 @@ by side on the same requests (:mod:`kvpool.sim.cluster`), a table and a plot."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
-
 from kvpool.errors import BadRequest
-from kvpool.progress import Progress
 from kvpool.routing import POLICIES
 from kvpool.sim.cluster import DEFAULT_COST, Shape, simulate
+from kvpool.sim.parallel import run_all
 from kvpool.sim.trace import SimRequest
-
-_REQS: list[SimRequest] = []  # inherited by forked workers instead of pickled
 
 
 def parse_instances(text: str) -> list[int]:
@@ -26,34 +20,17 @@ def parse_instances(text: str) -> list[int]:
     return out
 
 
-def _one(task: tuple[str, Shape, float]) -> dict:
+def _one(reqs: list[SimRequest], task: tuple[str, Shape, float]) -> dict:
     policy, shape, utilization = task
-    return simulate(_REQS, policy, shape, DEFAULT_COST, utilization)
+    return simulate(reqs, policy, shape, DEFAULT_COST, utilization)
 
 
 def run(reqs: list[SimRequest], source: str, sizes: list[int], per_node: int = 4, gpu_blocks: int = 600,
         node_blocks: int = 8000, utilization: float = 0.7, progress: bool = True) -> list[dict]:
     """Every (size, policy) pair, in parallel over the machine's cores."""
-    global _REQS
     tasks = [(p, Shape(n, per_node, gpu_blocks, node_blocks), utilization) for n in sizes for p in POLICIES]
-    results: dict[tuple[str, int], dict] = {}
-    _REQS = reqs
-    try:
-        with Progress(len(tasks), "kvpool sim (routing)", enabled=progress) as bar:
-            workers = min(len(tasks), os.cpu_count() or 1)
-            if workers <= 1 or "fork" not in mp.get_all_start_methods():
-                for t in tasks:
-                    results[(t[0], t[1].instances)] = _one(t)
-                    bar.advance(note=f"{t[0]} @ {t[1].instances}")
-            else:
-                with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as ex:
-                    futs = {ex.submit(_one, t): t for t in tasks}
-                    for f in as_completed(futs):
-                        t = futs[f]
-                        results[(t[0], t[1].instances)] = f.result()
-                        bar.advance(note=f"{t[0]} @ {t[1].instances}")
-    finally:
-        _REQS = []
+    done = run_all(reqs, tasks, _one, "kvpool sim (routing)", lambda t: f"{t[0]} @ {t[1].instances}", progress)
+    results = {(t[0], t[1].instances): row for t, row in done.items()}
     return [{**results[(p, n)], "source": source, "gpu_blocks": gpu_blocks, "node_blocks": node_blocks,
              "per_node": per_node} for n in sizes for p in POLICIES]
 

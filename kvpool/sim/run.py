@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from kvpool.errors import BadRequest
 from kvpool.policies import DEFAULT_POLICY, policy_names
-from kvpool.progress import Progress
+from kvpool.sim.parallel import run_all
 from kvpool.sim.replay import belady, infinite, replay
 from kvpool.sim.trace import SimRequest, load_mooncake
 from kvpool.sim.workloads import generate
@@ -50,42 +48,21 @@ def load(trace: str | None, workload: str | None, requests: int | None, seed: in
     return os.path.basename(path), load_mooncake(path, limit=requests)
 
 
-_TRACE: list[SimRequest] = []  # the trace, inherited by forked workers instead of pickled
-
-
-def _one(task: tuple[str, str, int]) -> dict:
+def _one(reqs: list[SimRequest], task: tuple[str, str, int]) -> dict:
     kind, policy, cap = task
     if kind == "belady":
-        return belady(_TRACE, cap)
-    return replay(_TRACE, policy, cap)
+        return belady(reqs, cap)
+    return replay(reqs, policy, cap)
 
 
 def simulate(reqs: list[SimRequest], source: str, policies: list[str], capacities: list[int],
              progress: bool = True, with_belady: bool = True, workers: int | None = None) -> list[dict]:
     """Every (policy, capacity) pair, plus infinite and Belady, in parallel over the machine's
     cores (each pair is independent)."""
-    global _TRACE
     tasks = [("policy", p, c) for c in capacities for p in policies]
     if with_belady:
         tasks += [("belady", "belady", c) for c in capacities]
-    workers = workers or min(len(tasks), os.cpu_count() or 1)
-    _TRACE = reqs
-    results: dict[tuple[str, str, int], dict] = {}
-    try:
-        with Progress(len(tasks), "kvpool sim", enabled=progress) as bar:
-            if workers <= 1 or "fork" not in mp.get_all_start_methods():
-                for t in tasks:
-                    results[t] = _one(t)
-                    bar.advance(note=f"{t[1]} @ {t[2]}")
-            else:
-                with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as ex:
-                    futs = {ex.submit(_one, t): t for t in tasks}
-                    for f in as_completed(futs):
-                        t = futs[f]
-                        results[t] = f.result()
-                        bar.advance(note=f"{t[1]} @ {t[2]}")
-    finally:
-        _TRACE = []
+    results = run_all(reqs, tasks, _one, "kvpool sim", lambda t: f"{t[1]} @ {t[2]}", progress, workers)
     inf = infinite(reqs)
     rows: list[dict] = []
     for cap in capacities:
