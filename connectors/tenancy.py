@@ -174,9 +174,7 @@ class Tenancy:
                 log.warning("%s: request %s names a tenant itself; that is ignored (a request is served as the "
                             "tenant of its request secret, else as %r). Logged once.", self.engine, request,
                             self.default.tenant)
-        if secret is None or secret == "":
-            return self.default
-        r = self._by_secret.get(_digest(secret)) if isinstance(secret, str) else None
+        r = self.of_secret(secret)
         if r is None:
             n = self._count("rejected_credential")
             now = time.monotonic()
@@ -185,6 +183,13 @@ class Tenancy:
                 log.warning("%s: request %s carries a request secret that is no tenant's: not cached (%d such "
                             "requests so far)", self.engine, request, n)
         return r
+
+    def of_secret(self, secret: object) -> Route | None:
+        """The tenant of a request secret (None or "": the default tenant; anyone else's: None),
+        without counting or logging it (a router reading vLLM's KV events sees every request's)."""
+        if secret is None or secret == "":
+            return self.default
+        return self._by_secret.get(_digest(secret)) if isinstance(secret, str) else None
 
     def _count(self, name: str) -> int:
         with self._lock:

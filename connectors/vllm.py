@@ -68,7 +68,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.connectors.breakeven import BreakEven
 from kvpool.connectors.pools import PoolHealth, Reporter, open_pool
 from kvpool.connectors.tenancy import Tenancy
-from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of, split_config
+from kvpool.connectors.vllm_config import split_config
+from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of
 from kvpool.connectors.vllm_spec import cache_groups, model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.errors import BadRequest

@@ -15,17 +15,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvpool.connectors.pools import KNOWN_KEYS, NO_COMPRESS, check_config
 from kvpool.errors import BadRequest
-
-# Settings of the connector itself, taken out of kv_connector_extra_config before the rest goes
-# to open_pool.
-CONNECTOR_KEYS = {
-    "model_id",  # the pool's name for the model (default: vLLM's model name or path)
-    "model_revision",  # default: vLLM's revision, else "main"
-    "model_weights",  # your name for the weights (default: a fingerprint of the checkpoint's files)
-    "breakeven_margin",  # > 1 favours recomputing on ties (BreakEven.margin)
-}
 
 # A tenant name in a request's kv_transfer_params: no longer honoured (a request's tenant comes from
 # its cache_salt, kvpool.connectors.tenancy), only detected, counted and logged.
@@ -81,21 +71,6 @@ class PoolWorkerMeta(KVConnectorWorkerMetadata):
 
     def __bool__(self) -> bool:
         return bool(self.load_samples or self.prefill_samples or self.counters)
-
-
-def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pool config, connector settings) out of kv_connector_extra_config; unknown keys are a
-    BadRequest naming both lists."""
-    extra = dict(extra or {})
-    unknown = set(extra) - KNOWN_KEYS - CONNECTOR_KEYS
-    if unknown:
-        raise BadRequest(f"unknown kv_connector_extra_config keys {sorted(unknown)} for KVPoolConnector; pool keys: "
-                         f"{sorted(KNOWN_KEYS)}, connector keys: {sorted(CONNECTOR_KEYS)}")
-    own = {k: extra.pop(k) for k in list(extra) if k in CONNECTOR_KEYS}
-    if "compress" in extra:
-        raise BadRequest(NO_COMPRESS.format(engine="vLLM"))
-    check_config(extra)
-    return extra, own
 
 
 ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}  # (loads, saves)

@@ -12,6 +12,7 @@ from kvpool.cli_up import RAY_ADDRESS_HELP, add_up_parser
 from kvpool.connect_cli import add_connect_parser
 from kvpool.errors import BadRequest, KvPoolError
 from kvpool.jsonout import emit, json_stdout
+from kvpool.route_cli import add_route_parser
 from kvpool.sizing import parse_size
 
 
@@ -284,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_auth_parser(sub)
     add_connect_parser(sub)
+    add_route_parser(sub)
     add_bench_parser(sub)
     return p
 

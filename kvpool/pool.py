@@ -14,6 +14,7 @@ import torch
 from kvpool.auth import Authority, Principal, namespace_salt, scope_tag, scoped
 from kvpool.codec import ChunkCodec, Formats, page_bytes, torch_dtype
 from kvpool.errors import BadRequest, Forbidden
+from kvpool.index.base import PrefixHit
 from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
 from kvpool.seal import SEAL_OVERHEAD, Sealer, needs_seal, sealer_for
 from kvpool.spec import KVSpec
@@ -144,6 +145,11 @@ class LocalPool:
                 break
             n += 1
         return n * self.spec.chunk_tokens
+
+    def locate(self, tenant: str, keys: Sequence[ChunkKey]) -> PrefixHit:
+        """The leading run of resident chunks and where each is: this process (``"local"``)."""
+        n = self.lookup(tenant, keys) // self.spec.chunk_tokens
+        return PrefixHit(n, ("local",) * n)
 
     def check_chunk(self, kv: torch.Tensor) -> None:
         """Raises LayoutMismatch unless ``kv`` is one whole raw chunk of this spec."""

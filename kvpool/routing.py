@@ -105,24 +105,32 @@ class Router:
         self._next = 0
         self.sent: list[float] = []  # recent expected work routed to each instance, seconds
 
-    def choose(self, instances: Sequence[Instance], tokens: Sequence[dict[str, int]]) -> int:
+    def choose(self, instances: Sequence[Instance], tokens: Sequence[dict[str, int]],
+               usable: Sequence[bool] | None = None) -> int:
         """The index of the instance to send the request to; ``tokens[i]``: its tokens by tier on
-        instance i (:func:`tiers`). Ties go to the lowest index (least-loaded: in turn)."""
-        if not instances or len(tokens) != len(instances):
-            raise BadRequest(f"route: {len(instances)} instances and {len(tokens)} tier counts; need one per instance")
-        if self.policy == "round-robin":
-            self._next = (self._next + 1) % len(instances)
-            return (self._next - 1) % len(instances)
-        if self.policy == "least-loaded":  # ties (idle instances) taken in turn
-            n, start = len(instances), self._next
-            self._next = (self._next + 1) % n
-            return min(((start + k) % n for k in range(n)), key=lambda i: instances[i].backlog_s)
-        view = gpu_only if self.policy == "gpu-prefix" else (lambda t: t)
+        instance i (:func:`tiers`); ``usable[i]`` False: instance i is down or already failed this
+        request (its balance memory is kept for when it is back). Ties go to the lowest index
+        (least-loaded: in turn)."""
         n = len(instances)
+        if not instances or len(tokens) != n or (usable is not None and len(usable) != n):
+            raise BadRequest(f"route: {n} instances and {len(tokens)} tier counts; need one per instance")
+        ok = [i for i in range(n) if usable is None or usable[i]]
+        if not ok:
+            raise BadRequest("route: no usable instance to choose from")
+        if self.policy == "round-robin":
+            start = self._next
+            i = min(ok, key=lambda i: (i - start) % n)
+            self._next = (i + 1) % n
+            return i
+        if self.policy == "least-loaded":  # ties (idle instances) taken in turn
+            start = self._next
+            self._next = (self._next + 1) % n
+            return min(ok, key=lambda i: (instances[i].backlog_s, (i - start) % n))
+        view = gpu_only if self.policy == "gpu-prefix" else (lambda t: t)
         if len(self.sent) != n:
             self.sent = [0.0] * n
-        cap = self.balance * sum(self.sent) / n
-        allowed = [i for i in range(n) if self.sent[i] <= cap] or list(range(n))
+        cap = self.balance * sum(self.sent[i] for i in ok) / len(ok)
+        allowed = [i for i in ok if self.sent[i] <= cap] or ok
         expect = [self.cost.seconds(view(tokens[i])) for i in allowed]
         k = min(range(len(allowed)), key=lambda j: instances[allowed[j]].backlog_s + expect[j])
         keep = 1 - 1 / (self.memory * n)

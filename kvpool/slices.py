@@ -200,6 +200,15 @@ class SlicedPool:
         held = self.part.lookup(tenant, self.slicing.all_keys(keys)) // self.spec.chunk_tokens
         return held // self.slicing.per_chunk * self.spec.chunk_tokens
 
+    def locate(self, tenant: str, keys: Sequence[ChunkKey]) -> tuple[list[frozenset[str]], str | None]:
+        """(the shards holding the slices of each leading chunk whose every slice the pool holds,
+        the index's error when it could not answer): where a router finds a prompt's prefix."""
+        keys, per = list(keys), self.slicing.per_chunk
+        if not keys:
+            return [], None
+        hit = self.part.locate(tenant, self.slicing.all_keys(keys))
+        return [frozenset(hit.shards[j * per: (j + 1) * per]) for j in range(hit.count // per)], hit.error
+
     def lookup_mine(self, tenant: str, keys: Sequence[ChunkKey]) -> int:
         """Tokens of the leading chunks whose slices *this rank* holds (what its own save left in
         the pool; an engine that agrees across ranks takes the least of its ranks')."""

@@ -13,7 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ["ray", "transformers", "vllm", "sglang"]
 # connectors/ modules that any engine's connector uses, so none may pull an engine in
 NEUTRAL = ["kvpool.connectors.pools", "kvpool.connectors.tenancy", "kvpool.connectors.breakeven", "kvpool.connectors.weights",
-           "kvpool.connectors.families", "kvpool.connectors.bench.weights"]
+           "kvpool.connectors.families", "kvpool.connectors.bench.weights", "kvpool.connectors.vllm_config",
+           # the router runs beside engines, not in them: no engine, no Ray
+           "kvpool.connectors.route.main", "kvpool.connectors.route.proxy", "kvpool.connectors.route.spec"]
 
 
 def modules_under(folder: str, package: str) -> list[str]:

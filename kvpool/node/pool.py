@@ -13,6 +13,7 @@ import torch
 from kvpool.auth import claimed_tenant, is_credential, namespace_salt
 from kvpool.codec import Formats, page_bytes
 from kvpool.errors import BadRequest, Unauthorized, UnknownTenant
+from kvpool.index.base import PrefixHit
 from kvpool.keys import ChunkKey, Namespace, as_keys, is_shared
 from kvpool.node.client import NodeClient
 from kvpool.pool import OwnedChunk
@@ -95,6 +96,12 @@ class NodePool:
         """Tokens covered by the leading run of chunks the index lists (one round trip)."""
         self._check_tenant(tenant)
         return self.client.lookup(tenant, as_keys(keys)).count * self.spec.chunk_tokens
+
+    def locate(self, tenant: str, keys: Sequence[ChunkKey]) -> PrefixHit:
+        """The leading run of chunks the index lists and the shard holding each (one round trip; a
+        router's question); ``error`` is set when the index could not answer."""
+        self._check_tenant(tenant)
+        return self.client.lookup(tenant, as_keys(keys))
 
     def begin(self, tenant: str, keys: Sequence[ChunkKey], priority: str | None = None):
         """A request starts: the leading run of its cached chunks is leased on their shards."""

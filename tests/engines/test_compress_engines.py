@@ -20,7 +20,7 @@ def _need(module: str):
 
 def test_vllm_refuses_compress():
     _need("vllm")
-    from kvpool.connectors.vllm_meta import split_config
+    from kvpool.connectors.vllm_config import split_config
 
     with pytest.raises(BadRequest, match="vLLM is a paged engine.*cannot load a compressed prefix"):
         split_config(COMPRESS)

@@ -1,0 +1,108 @@
+"""vLLM's KV events, read into an instance's :class:`~kvpool.connectors.route.gpu.GpuView`.
+
+Where they come from is asked of the instance itself: ``GET /kv_event_sources`` answers vLLM's
+``--kv-events-config`` per data-parallel rank. An endpoint vLLM binds (``tcp://*:5557``,
+``ipc://...``) is connected to, at the instance's host; one vLLM connects to (``tcp://HOST:PORT``)
+is bound here, so several instances may publish to a router that listens. Frames are vLLM's:
+``[topic, sequence number (8 bytes, big-endian), msgpack batch [ts, events, dp rank]]``.
+
+A gap in the sequence, or a sequence that starts over (the instance restarted), clears the view:
+what follows rebuilds it. A frame that does not decode is counted and dropped (the events port is
+not authenticated: anyone who reaches it can mislead the router's locality, never an answer; and
+its frames carry each request's ``cache_salt``, so publish them only where the router alone
+listens: see docs/security.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from urllib.parse import urlsplit
+
+import msgpack
+
+from kvpool.connectors.route.gpu import GpuView
+from kvpool.errors import BadRequest
+
+log = logging.getLogger("kvpool.route")
+
+MAX_FRAME = 64 << 20  # bytes: a larger frame is refused by the socket itself
+
+
+def subscribe_address(endpoint: str, instance_url: str) -> tuple[str, bool]:
+    """(the address to subscribe at, whether to bind it) for one of vLLM's endpoints."""
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise BadRequest(f"KV events endpoint {endpoint!r}: not a ZMQ address (tcp://HOST:PORT, ipc://PATH)")
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return endpoint, False
+    host = urlsplit(instance_url).hostname or "127.0.0.1"
+    if "*" in endpoint or "[::]" in endpoint or "0.0.0.0" in endpoint:  # vLLM binds every interface
+        for wild in ("*", "[::]", "0.0.0.0"):
+            endpoint = endpoint.replace(wild, f"[{host}]" if ":" in host else host)
+        return endpoint, False
+    return endpoint, True  # vLLM connects to it: the router listens there
+
+
+class EventFeed:
+    """One instance's subscriptions (one per data-parallel rank), applied to ``view`` until closed."""
+
+    def __init__(self, view: GpuView, name: str, addresses: list[tuple[str, bool]], topic: str = "") -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.view, self.name = view, name
+        self.gaps = self.bad = self.batches = 0
+        self._ctx = zmq.asyncio.Context.instance()
+        self._socks, self._tasks = [], []
+        for address, bind in addresses:
+            s = self._ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            (s.bind if bind else s.connect)(address)
+            self._socks.append(s)
+        self.addresses = [a for a, _ in addresses]
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._read(s)) for s in self._socks]
+
+    async def _read(self, sock) -> None:
+        last = None
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a closed socket ends the feed
+                log.debug("kvpool route: events of %s ended (%s)", self.name, e)
+                return
+            try:
+                _, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big")
+                batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+                events = batch[1]
+                if not isinstance(events, list):
+                    raise ValueError("no event list")
+            except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+                self.bad += 1
+                continue
+            if last is not None and seq != last + 1:
+                self.gaps += 1
+                log.warning("kvpool route: %s's KV events jumped from %d to %d (lost, or the instance restarted): "
+                            "its GPU cache view starts over", self.name, last, seq)
+                self.view.clear()
+            last = seq
+            self.batches += 1
+            for e in events:
+                if isinstance(e, dict):
+                    self.view.apply(e)
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for s in self._socks:
+            s.close(linger=0)
+        self._tasks, self._socks = [], []
+
+    def figures(self) -> dict:
+        return {"addresses": self.addresses, "batches": self.batches, "gaps": self.gaps, "bad_frames": self.bad}

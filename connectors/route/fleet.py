@@ -1,0 +1,191 @@
+"""The engine instances behind a router: their health, their load and their GPU caches.
+
+Each instance is a vLLM OpenAI server, named by its URL, on a node whose pool shard is ``shard``
+(``--instance URL,shard=ID``; without one, the shard of the router's own node). Every
+``health_s`` the router asks each instance ``/health`` and ``/metrics`` (requests running and
+waiting), with a deadline of ``health_s``: an instance that does not answer, or that refused a
+forwarded request, is down (no request is sent to it) until it answers again; its GPU cache view
+is dropped and rebuilt from its events once it is back. An instance that comes up is asked where
+its KV events are published (:mod:`kvpool.connectors.route.events`); without them its GPU cache is
+unknown (the pool's tiers and the load still route it).
+
+Nothing here is state the router cannot rebuild: a restarted router asks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+
+from kvpool.connectors.route.events import EventFeed, subscribe_address
+from kvpool.connectors.route.gpu import GpuView
+from kvpool.errors import BadRequest
+
+log = logging.getLogger("kvpool.route")
+
+_QUEUE = re.compile(rb"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    url: str
+    shard: str = ""
+    events: str = ""  # a ZMQ address to read its KV events at instead of the one it announces
+
+    @classmethod
+    def parse(cls, text: str) -> "InstanceSpec":
+        """``URL[,shard=ID][,events=ZMQ-ADDRESS]``."""
+        url, *opts = [p.strip() for p in text.split(",")]
+        if not re.match(r"^https?://[^/\s]+$", url.rstrip("/")):
+            raise BadRequest(f"--instance {text!r}: start with the server's base URL, http://HOST:PORT")
+        kw = {}
+        for o in opts:
+            k, sep, v = o.partition("=")
+            if not sep or k not in ("shard", "events") or not v:
+                raise BadRequest(f"--instance {text!r}: options are shard=ID and events=ZMQ-ADDRESS, got {o!r}")
+            kw[k] = v
+        return cls(url.rstrip("/"), **kw)
+
+
+@dataclass
+class Upstream:
+    """One instance as the router sees it now."""
+
+    spec: InstanceSpec
+    view: GpuView
+    up: bool = False
+    why_down: str = "not asked yet"
+    queued: int = 0  # running + waiting, from its /metrics (every router's requests)
+    inflight: dict[int, float] = field(default_factory=dict)  # this router's requests on it -> expected s
+    feed: EventFeed | None = None
+    told_no_events: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.url
+
+    def backlog_s(self, mean_s: float) -> float:
+        """Seconds of work ahead of a new request: this router's requests on it, and the others its
+        metrics count, each at the mean expected time."""
+        mine = sum(self.inflight.values())
+        return mine + max(0, self.queued - len(self.inflight)) * mean_s
+
+
+class Fleet:
+    def __init__(self, specs: list[InstanceSpec], tenant_of, default_shard: str, health_s: float = 1.0) -> None:
+        if not specs:
+            raise BadRequest("kvpool route: name at least one engine instance (--instance http://HOST:PORT)")
+        if len({s.url for s in specs}) != len(specs):
+            raise BadRequest("kvpool route: an instance is named twice")
+        if health_s <= 0:
+            raise BadRequest(f"--health-interval {health_s}: a positive number of seconds")
+        self.health_s = health_s
+        self.instances = [Upstream(s if s.shard else InstanceSpec(s.url, default_shard, s.events), GpuView(tenant_of))
+                          for s in specs]
+        self.adapters: set[str] = set()  # served LoRA adapters (their chunks are keyed by adapter)
+        self._tasks: list[asyncio.Task] = []
+        self.session = None
+
+    def start(self, session) -> None:
+        self.session = session
+        self._tasks = [asyncio.ensure_future(self._watch(u)) for u in self.instances]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for u in self.instances:
+            self._drop_feed(u)
+
+    # ------------------------------------------------------------------ health
+    async def _watch(self, u: Upstream) -> None:
+        while True:
+            try:
+                await self.check(u)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the loop outlives any one failure
+                log.warning("kvpool route: checking %s failed (%s)", u.name, e)
+            await asyncio.sleep(self.health_s)
+
+    async def check(self, u: Upstream) -> None:
+        """One health check: /health, then /metrics; down on any failure."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.health_s)
+        try:
+            async with self.session.get(u.spec.url + "/health", timeout=timeout) as r:
+                if r.status != 200:
+                    raise OSError(f"/health answered {r.status}")
+            async with self.session.get(u.spec.url + "/metrics", timeout=timeout) as r:
+                text = await r.read() if r.status == 200 else b""
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as e:
+            self.mark_down(u, f"health check: {e or type(e).__name__}")
+            return
+        u.queued = int(sum(float(m[2]) for m in _QUEUE.finditer(text)))
+        if not u.up:
+            u.up, u.why_down = True, ""
+            log.warning("kvpool route: %s is up (shard %s)", u.name, u.spec.shard or "unknown")
+            await self._models(u)
+        if u.feed is None:
+            await self._subscribe(u)
+
+    def mark_down(self, u: Upstream, why: str) -> None:
+        if u.up or u.why_down == "not asked yet":
+            log.warning("kvpool route: %s is down (%s): routed around until it answers again", u.name, why)
+        u.up, u.why_down, u.queued = False, why, 0
+        self._drop_feed(u)
+
+    def _drop_feed(self, u: Upstream) -> None:
+        if u.feed is not None:
+            u.feed.close()
+            u.feed = None
+        u.view.clear()
+
+    async def _models(self, u: Upstream) -> None:
+        """The LoRA adapters it serves (``/v1/models`` entries with a parent): a request naming one is keyed
+        by it, as the engine keys it."""
+        import aiohttp
+
+        try:
+            async with self.session.get(u.spec.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.health_s)) as r:
+                data = (await r.json()).get("data") or [] if r.status == 200 else []
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+            return
+        self.adapters |= {m["id"] for m in data if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str)}
+
+    async def _subscribe(self, u: Upstream) -> None:
+        """Its KV events: the address given, else those it announces (none: its GPU cache stays unknown)."""
+        import aiohttp
+
+        if u.spec.events:
+            addresses = [subscribe_address(u.spec.events, u.spec.url)]
+        else:
+            try:
+                async with self.session.get(u.spec.url + "/kv_event_sources",
+                                            timeout=aiohttp.ClientTimeout(total=self.health_s)) as r:
+                    sources = await r.json() if r.status == 200 else {}
+            except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+                sources = {}
+            cfgs = [c for c in (sources.values() if isinstance(sources, dict) else ()) if isinstance(c, dict)
+                    and c.get("enable_kv_cache_events") and c.get("publisher") == "zmq"]
+            try:
+                addresses = [subscribe_address(c.get("endpoint"), u.spec.url) for c in cfgs]
+            except BadRequest as e:
+                log.warning("kvpool route: %s: %s; its GPU cache is not followed", u.name, e)
+                addresses = []
+        if not addresses:
+            if not u.told_no_events:
+                log.warning("kvpool route: %s publishes no KV events (vllm serve --kv-events-config): the router "
+                            "routes it on the pool's tiers and its load, not knowing its own GPU cache", u.name)
+                u.told_no_events = True
+            return
+        try:
+            u.feed = EventFeed(u.view, u.name, addresses)
+        except Exception as e:  # noqa: BLE001 - an address in use, a bad one: the GPU cache stays unknown
+            log.warning("kvpool route: %s: cannot subscribe to its KV events at %s (%s)", u.name, addresses, e)
+            return
+        u.feed.start()
+        log.info("kvpool route: following %s's GPU cache through its KV events at %s", u.name, ", ".join(u.feed.addresses))

@@ -1,0 +1,80 @@
+"""``kvpool route``: builds the router from its arguments and serves it (:mod:`.proxy`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from kvpool.errors import BadRequest
+
+log = logging.getLogger("kvpool.route")
+
+
+def read_config(text: str) -> dict[str, Any]:
+    """The engines' connector config: ``kv_transfer_config`` JSON (what ``kvpool connect vllm``
+    prints) or its ``kv_connector_extra_config``, inline or ``@FILE``."""
+    if text.startswith("@"):
+        try:
+            with open(os.path.expanduser(text[1:])) as f:
+                text = f.read()
+        except OSError as e:
+            raise BadRequest(f"--config {text}: cannot read it ({e.strerror})") from None
+    try:
+        cfg = json.loads(text)
+    except ValueError:
+        raise BadRequest("--config: not JSON; pass the engines' --kv-transfer-config, e.g. "
+                         "--config \"$(kvpool connect vllm)\", or @FILE holding it") from None
+    if not isinstance(cfg, dict):
+        raise BadRequest("--config: a JSON object (the engines' --kv-transfer-config)")
+    return cfg.get("kv_connector_extra_config", cfg) if "kv_connector" in cfg else cfg
+
+
+def build(args) -> "RouteService":  # noqa: F821 - imported below
+    from kvpool.connectors.pools import open_pool
+    from kvpool.connectors.route.costs import OnlineCost
+    from kvpool.connectors.route.fleet import Fleet, InstanceSpec
+    from kvpool.connectors.route.plan import Planner
+    from kvpool.connectors.route.prompts import Prompts
+    from kvpool.connectors.route.proxy import RouteService
+    from kvpool.connectors.tenancy import Tenancy
+    from kvpool.connectors.vllm_config import split_config
+    from kvpool.sim.cluster import DEFAULT_COST
+
+    specs = [InstanceSpec.parse(t) for t in args.instance]
+    pool_config, own = split_config(read_config(args.config))
+    tenancy = Tenancy(pool_config, fallback="default", engine="kvpool route")
+    pool, chunk_tokens, shard = None, int(pool_config.get("chunk_tokens", 256)), ""
+    if args.model:
+        from kvpool.connectors.route.spec import engine_spec
+
+        spec = engine_spec(args.model, pool_config, own, args.dtype)
+        if pool_config.get("backend", "local") != "node":
+            raise BadRequest("kvpool route: the engines' pool must be a kvpool cluster's (backend \"node\"): a local "
+                             "pool lives inside one engine, and no router can see it")
+        pool = open_pool(spec, pool_config)  # the shard must answer (or the config says degraded)
+        shard = next(iter(pool.client.shards), "")
+    elif args.policy == "tier-aware":
+        log.warning("kvpool route: no --model: the pool's tiers are unknown, so requests are routed on the instances' "
+                    "GPU caches and load alone; pass --model (the checkpoint folder, as vllm serve was given it)")
+    if any(not s.shard for s in specs) and not shard and pool is not None:
+        raise BadRequest("kvpool route: this node has no shard of the pool to stand for the instances named without "
+                         "one: give each --instance URL,shard=ID (kvpool stats lists the shards)")
+    tenant_of = (lambda salt: (r.tenant if (r := tenancy.of_secret(salt)) is not None else None))
+    fleet = Fleet(specs, tenant_of, shard or pool_config.get("shard", ""), health_s=args.health_interval)
+    planner = Planner(tenancy, Prompts(args.tokenizer or args.model), pool, chunk_tokens)
+    return RouteService(fleet, planner, args.policy, OnlineCost(DEFAULT_COST), balance=args.balance,
+                        request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout)
+
+
+def run(args) -> int:
+    from aiohttp import web
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    service = build(args)
+    names = ", ".join(f"{u.name} (shard {u.spec.shard or '?'})" for u in service.fleet.instances)
+    print(f"kvpool route: {args.policy} over {names} on http://{args.host}:{args.port}", flush=True)
+    web.run_app(service.app(), host=args.host, port=args.port, print=None, access_log=None,
+                handle_signals=True, shutdown_timeout=5)
+    return 0

@@ -1,0 +1,261 @@
+"""``kvpool route``'s HTTP service: an OpenAI-compatible front for several vLLM servers that sends
+each request where its time to first token is expected lowest, and streams the answer back.
+
+Per request (``POST /v1/completions``, ``/v1/chat/completions``): the plan (tenant, tokens, where
+the pool holds each leading chunk: :mod:`.plan`), then each instance that is up is scored by
+:class:`kvpool.routing.Router` on the prompt's tokens by tier there (its own GPU cache from its
+KV events, its node's shard, another node's, prefill) at the measured costs (:mod:`.costs`)
+against its backlog, and the body is forwarded unchanged. An instance that fails before the client
+has received a byte of its answer (refused, reset, died mid-prefill) is marked down and the
+request goes to the next best one: only a stream already under way can be cut by an instance's
+death. An index that does not answer makes that request least-loaded's.
+
+Also: ``GET /v1/models`` (from an instance that is up), ``GET /health`` (200 while one instance is
+up), ``GET /metrics`` (:mod:`.figures`), ``GET /kvpool/route`` (the router's view, JSON). Answers
+carry ``x-kvpool-instance`` (where it went) and ``x-kvpool-tiers`` (the prompt's tokens by tier
+expected there, the requester's own tenant's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+from aiohttp import web
+
+from kvpool.connectors.route.costs import OnlineCost
+from kvpool.connectors.route.figures import Figures
+from kvpool.connectors.route.fleet import Fleet, Upstream
+from kvpool.connectors.route.plan import Plan, Planner
+from kvpool.routing import TIERS, Instance, Router
+
+log = logging.getLogger("kvpool.route")
+
+MAX_BODY = 64 << 20
+PASSED_IN = ("content-type", "authorization", "accept", "x-request-id", "openai-organization", "openai-project")
+HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade", "proxy-connection", "te",
+       "trailer", "server", "date"}
+RETRIED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)  # refused, reset, died before its answer
+
+
+class _Failed(Exception):
+    """The instance failed before the client saw a byte: try another."""
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(status, "error")
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class RouteService:
+    def __init__(self, fleet: Fleet, planner: Planner, policy: str, cost: OnlineCost, *, balance: float = 1.25,
+                 request_timeout_s: float = 600.0, connect_timeout_s: float = 3.0) -> None:
+        self.fleet, self.planner, self.cost = fleet, planner, cost
+        self.router = Router(policy, cost.model(), balance)
+        self.fallback = Router("least-loaded", cost.model())
+        self.figures = Figures()
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self._executor = ThreadPoolExecutor(4, thread_name_prefix="kvpool-route")
+        self._ids = itertools.count()
+        self._mean_s = 0.0  # expected seconds of a routed request (EWMA): what a queued one of others' costs
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/completions", self.routed)
+        app.router.add_post("/v1/chat/completions", self.routed)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/kvpool/route", self.state)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app) -> None:
+        # NOTE: bodies pass through as the instance sent them (no decompression), and connections
+        # are kept alive per instance
+        self.session = aiohttp.ClientSession(auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
+        self.fleet.start(self.session)
+
+    async def _stop(self, app) -> None:
+        await self.fleet.close()
+        await self.session.close()
+        self._executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ the decision
+    def choose(self, plan: Plan, tried: set[int]) -> tuple[Upstream, dict[str, int]] | None:
+        ups = self.fleet.instances
+        usable = [u.up and i not in tried for i, u in enumerate(ups)]
+        if not any(usable):
+            return None
+        views = [Instance(u.name, u.spec.shard, u.backlog_s(self._mean_s)) for u in ups]
+        tiers = [plan.tiers_on(u.spec.shard, u.view) for u in ups]
+        router = self.fallback if plan.error else self.router
+        router.cost = self.cost.model()
+        i = router.choose(views, tiers, usable)
+        return ups[i], tiers[i]
+
+    # ------------------------------------------------------------------ handlers
+    async def routed(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return _error(400, "the request body is not a JSON object")
+        adapter = body.get("model") if body.get("model") in self.fleet.adapters else ""
+        plan = await asyncio.get_running_loop().run_in_executor(self._executor, self.planner.plan, request.path,
+                                                                body, adapter)
+        if plan.error:
+            self.figures.index_errors.inc()
+        tried: set[int] = set()
+        while True:
+            picked = self.choose(plan, tried)
+            if picked is None:
+                return _error(503, "no engine instance is up: " + "; ".join(
+                    f"{u.name}: {u.why_down or 'failed this request'}" for u in self.fleet.instances))
+            u, tiers = picked
+            rid, expected = next(self._ids), self.cost.overhead_s + self.cost.model().seconds(tiers)
+            self._mean_s = expected if not self._mean_s else 0.9 * self._mean_s + 0.1 * expected
+            clean = not u.inflight and u.queued == 0
+            u.inflight[rid] = expected
+            try:
+                return await self._forward(request, raw, body, u, tiers, clean)
+            except _Failed as e:
+                self.fleet.mark_down(u, str(e))
+                self.figures.requests.labels(u.name, "retried").inc()
+                tried.add(self.fleet.instances.index(u))
+            finally:
+                u.inflight.pop(rid, None)
+
+    async def _forward(self, request: web.Request, raw: bytes, body: dict, u: Upstream,
+                       tiers: dict[str, int], clean: bool) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_IN}
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            up = await self.session.post(u.spec.url + request.path_qs, data=raw, headers=headers, timeout=self.timeout)
+        except RETRIED as e:
+            raise _Failed(f"{type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            self.figures.requests.labels(u.name, "failed").inc()
+            return _error(504, f"{u.name} did not answer in time")
+        tag = {"x-kvpool-instance": u.name, "x-kvpool-tiers": ",".join(f"{t}={tiers[t]}" for t in TIERS)}
+        passed = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
+        try:
+            async with up:
+                if "text/event-stream" not in up.headers.get("content-type", ""):
+                    data = await up.read()  # an instance dying before its answer is whole: another tries
+                    ttft = loop.time() - t0
+                    self._account(u, up.status, tiers, ttft, clean and body.get("max_tokens") == 1, data, passed)
+                    return web.Response(body=data, status=up.status, headers={**passed, **tag})
+                part = await up.content.readany()
+                ttft = loop.time() - t0
+                out = web.StreamResponse(status=up.status, headers={**passed, **tag})
+                self._account(u, up.status, tiers, ttft, clean, None, passed)
+                # NOTE: from the first byte written on, the client has the answer's start: no retry
+                return await self._stream(request, out, up, part, u)
+        except RETRIED as e:
+            raise _Failed(f"{type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            self.figures.requests.labels(u.name, "failed").inc()
+            return _error(504, f"{u.name} did not finish its answer in time")
+
+    async def _stream(self, request: web.Request, out: web.StreamResponse, up, part: bytes,
+                      u: Upstream) -> web.StreamResponse:
+        """Copies a streamed answer on; an instance that cuts it is down, a client that leaves ends it."""
+        try:
+            await out.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            self.figures.requests.labels(u.name, "client_gone").inc()
+            return out
+        while part:
+            try:
+                await out.write(part)
+            except (ConnectionResetError, aiohttp.ClientConnectionError):
+                self.figures.requests.labels(u.name, "client_gone").inc()
+                return out
+            try:
+                part = await up.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                log.warning("kvpool route: %s cut a streamed answer (%s)", u.name, e)
+                self.figures.requests.labels(u.name, "failed").inc()
+                self.fleet.mark_down(u, f"cut a stream: {e}")
+                # NOTE: the client is told, as vLLM tells it of an error mid-stream, and the stream is
+                # left unterminated (no [DONE], no last chunk): it cannot pass for a whole answer
+                error = {"error": {"message": f"the engine instance serving this answer failed ({e})",
+                                   "type": "service_unavailable", "code": 503}}
+                with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionError):
+                    await out.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                if request.transport is not None:
+                    request.transport.close()
+                return out
+        await out.write_eof()
+        if out.status == 200:
+            self.figures.requests.labels(u.name, "ok").inc()
+        return out
+
+    def _account(self, u: Upstream, status: int, tiers: dict[str, int], ttft: float, clean: bool,
+                 data: bytes | None, headers: dict) -> None:
+        f = self.figures
+        if data is not None or status != 200:  # (a stream is counted when it ends)
+            f.requests.labels(u.name, "ok" if status < 500 else "failed").inc()
+        if status != 200:
+            return
+        f.ttft.labels(u.name).observe(ttft)
+        for t in TIERS:
+            f.tokens.labels(t).inc(tiers[t])
+        if clean:
+            self.cost.observe(tiers, ttft)
+        if data is not None and "content-encoding" not in {k.lower() for k in headers}:
+            try:
+                usage = json.loads(data).get("usage") or {}
+                cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            except (ValueError, TypeError, AttributeError):
+                return
+            f.predicted.inc(tiers["gpu"] + tiers["node"] + tiers["remote"])
+            f.engine_cached.inc(cached)
+
+    async def models(self, request: web.Request) -> web.Response:
+        for u in self.fleet.instances:
+            if not u.up:
+                continue
+            try:
+                async with self.session.get(u.spec.url + "/v1/models", timeout=self.timeout) as r:
+                    return web.Response(body=await r.read(), status=r.status,
+                                        content_type=r.content_type or "application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.fleet.mark_down(u, f"/v1/models: {e}")
+        return _error(503, "no engine instance is up")
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(u.up for u in self.fleet.instances)
+        return web.json_response({"instances_up": up, "instances": len(self.fleet.instances)},
+                                 status=200 if up else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        f = self.figures
+        for u in self.fleet.instances:
+            f.up.labels(u.name).set(1 if u.up else 0)
+            f.backlog.labels(u.name).set(u.backlog_s(self._mean_s))
+            f.gpu_blocks.labels(u.name).set(len(u.view))
+        m = self.cost.model()
+        for tier, v in (("node", m.node_s), ("remote", m.remote_s), ("miss", m.prefill_s)):
+            f.cost.labels(tier).set(v)
+        return web.Response(body=f.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def state(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "policy": self.router.policy, "cost": self.cost.figures(), "mean_request_s": self._mean_s,
+            "tenancy": self.planner.tenancy.stats(),
+            "instances": [{"url": u.name, "shard": u.spec.shard, "up": u.up, "why_down": u.why_down,
+                           "queued": u.queued, "inflight": len(u.inflight), "backlog_s": u.backlog_s(self._mean_s),
+                           "gpu_blocks": len(u.view), "events": u.feed.figures() if u.feed else None}
+                          for u in self.fleet.instances]})

@@ -1,0 +1,193 @@
+"""kvpool route's own logic, piece by piece: the GPU cache view built from vLLM's KV events (in
+the form vLLM 0.32's publisher sends them), a request's tokens by tier on each instance, the
+planner over a real pool (tenants apart), the measured cost model, and the instance options."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.connectors.pools import close_local_pools, open_pool
+from kvpool.connectors.route.costs import OnlineCost
+from kvpool.connectors.route.events import subscribe_address
+from kvpool.connectors.route.fleet import InstanceSpec
+from kvpool.connectors.route.gpu import GpuView, block_chain
+from kvpool.connectors.route.plan import Plan, Planner
+from kvpool.connectors.route.prompts import Prompts
+from kvpool.connectors.tenancy import Tenancy
+from kvpool.errors import BadRequest
+from kvpool.routing import CostModel
+from kvpool.spec import KVSpec
+
+ACME = "acme-route-secret-0123456789"
+CFG = {"backend": "local", "pool": "route-units", "dram_mib": 4, "chunk_tokens": 8,
+       "tenants": ["default", {"id": "acme", "request_secret": ACME}]}
+BS = 4  # vLLM's block size in these events
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    close_local_pools()
+
+
+def tenant_of(tenancy: Tenancy):
+    return lambda salt: (r.tenant if (r := tenancy.of_secret(salt)) is not None else None)
+
+
+def stored(hashes, tokens, parent=None, salt=None, **kw) -> dict:
+    """A BlockStored event as vLLM publishes it (msgpack-decoded)."""
+    extra = [[salt] if (salt and k == 0) else None for k in range(len(hashes))]
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": extra,
+            "group_idx": 0, "kv_cache_spec_kind": "full_attention", **kw}
+
+
+def test_the_gpu_view_follows_each_tenants_blocks_and_never_anothers():
+    view = GpuView(tenant_of(Tenancy(CFG, engine="test")))
+    prompt = list(range(100, 116))  # four blocks
+    view.apply(stored([11, 12], prompt[:8]))  # the default tenant's (no salt), two blocks
+    view.apply(stored([13], prompt[8:12], parent=12))  # its third, in a later event
+    view.apply(stored([21, 22, 23, 24], prompt, salt=ACME))  # acme's: the same tokens, other hashes
+    view.apply(stored([31, 32], prompt[:8], salt="nobodys-secret-123456"))  # no tenant's: never counted
+    view.apply(stored([41], prompt[12:16], parent=99))  # a parent never seen: left out
+    view.apply(stored([51], prompt[:4], lora_name="ad", lora_id=1))  # an adapter's block: left out
+    assert view.block_size == BS and view.skipped == 4
+    assert view.leading(block_chain("default", prompt, BS)) == 3
+    assert view.leading(block_chain("acme", prompt, BS)) == 4
+    assert view.leading(block_chain("globex", prompt, BS)) == 0
+    assert view.leading(block_chain("default", list(range(200, 216)), BS)) == 0
+    view.apply({"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU", "group_idx": 0})
+    assert view.leading(block_chain("default", prompt, BS)) == 1  # the chain breaks at the removed block
+    assert view.leading(block_chain("acme", prompt, BS)) == 4  # acme's own blocks stay
+    view.apply({"type": "BlockRemoved", "block_hashes": [24, 777], "medium": "GPU", "group_idx": 1})
+    assert view.leading(block_chain("acme", prompt, BS)) == 4  # another KV cache group's removal
+    view.apply({"type": "AllBlocksCleared"})
+    assert len(view) == 0 and view.leading(block_chain("acme", prompt, BS)) == 0
+
+
+def test_tokens_by_tier_take_the_gpu_cache_first_then_the_pools_chunks():
+    view = GpuView(lambda salt: "default")
+    tokens = list(range(30))  # three whole chunks of 8 and 6 tokens
+    view.apply(stored([1, 2, 3], tokens[:12]))  # 12 tokens in the GPU cache: a chunk and a half
+    p = Plan(tenant="default", tokens=tokens, chunk_tokens=8, where=[frozenset({"s1"}), frozenset({"s1"}),
+                                                                     frozenset({"s1", "s2"})])
+    assert p.tiers_on("s1", view) == {"gpu": 12, "node": 4, "remote": 8, "miss": 6}
+    assert p.tiers_on("s2", view) == {"gpu": 12, "node": 0, "remote": 12, "miss": 6}
+    assert p.tiers_on("s1", None) == {"gpu": 0, "node": 16, "remote": 8, "miss": 6}
+    assert Plan(tenant=None, tokens=tokens, chunk_tokens=8).tiers_on("s1", view) == \
+        {"gpu": 0, "node": 0, "remote": 0, "miss": 30}
+
+
+def chunk(spec: KVSpec, seed: int) -> torch.Tensor:
+    return torch.randn(spec.chunk_shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_planner_finds_a_tenants_own_chunks_and_no_one_elses():
+    spec = KVSpec("test/route", 2, 2, 4, dtype="float32", block_size=8, chunk_tokens=8)
+    pool = open_pool(spec, CFG)
+    tenancy = Tenancy(CFG, engine="test")
+    planner = Planner(tenancy, Prompts(None), pool, chunk_tokens=8)
+    tokens = list(range(1, 30))
+    keys = pool.keys("acme", tokens[:24])
+    assert pool.save("acme", keys[:2], [chunk(spec, 0), chunk(spec, 1)]) == 2
+    mine = planner.plan("/v1/completions", {"prompt": tokens, "cache_salt": ACME})
+    assert (mine.tenant, mine.where, mine.error) == ("acme", [frozenset({"local"})] * 2, None)
+    theirs = planner.plan("/v1/completions", {"prompt": tokens})  # the default tenant: the same tokens
+    assert theirs.tenant == "default" and theirs.where == []
+    stranger = planner.plan("/v1/completions", {"prompt": tokens, "cache_salt": "a-guess-at-acmes-secret"})
+    assert stranger.tenant is None and stranger.where == []  # not cached: routed on load alone
+    assert tenancy.stats()["rejected_credential"] == 1
+    chat = planner.plan("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.tokens is None and chat.tenant is None  # no tokenizer here: routed on load
+
+
+class _Broken:
+    def keys(self, tenant, tokens, **kw):
+        raise ConnectionError("the shard went away")
+
+
+def test_an_index_that_cannot_answer_leaves_the_plan_on_load():
+    planner = Planner(Tenancy(CFG, engine="test"), Prompts(None), _Broken(), chunk_tokens=8)
+    p = planner.plan("/v1/completions", {"prompt": list(range(20))})
+    assert p.error == "the shard went away" and p.where == [] and p.tenant == "default"
+
+
+def test_the_cost_model_measures_each_tier_and_keeps_their_order():
+    truth = dict(overhead=0.02, node=1e-5, remote=6e-5, miss=4e-4)
+    cost = OnlineCost(CostModel(prefill_s=1e-3, node_s=1e-3, remote_s=1e-3))  # a prior far from the truth
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        t = {k: int(rng.integers(0, 2048)) for k in ("node", "remote", "miss")}
+        y = truth["overhead"] + sum(truth[k] * t[k] for k in t) * (1 + 0.02 * rng.standard_normal())
+        cost.observe(t, y)
+    m = cost.model()
+    assert m.node_s == pytest.approx(1e-5, rel=0.5) and m.remote_s == pytest.approx(6e-5, rel=0.2)
+    assert m.prefill_s == pytest.approx(4e-4, rel=0.05) and cost.overhead_s == pytest.approx(0.02, abs=0.01)
+    inverted = OnlineCost(CostModel(prefill_s=1e-4, node_s=1e-6, remote_s=1e-5))
+    for _ in range(50):  # remote loads measured cheaper than node ones: averaged, never reordered
+        inverted.observe({"node": 1000, "remote": 0, "miss": 100}, 0.01 + 1000 * 5e-5 + 100 * 1e-4)
+        inverted.observe({"node": 0, "remote": 1000, "miss": 100}, 0.01 + 1000 * 1e-5 + 100 * 1e-4)
+    m = inverted.model()
+    assert m.node_s <= m.remote_s <= m.prefill_s
+
+
+def test_instance_options_and_event_addresses():
+    assert InstanceSpec.parse("http://10.0.0.5:8000/") == InstanceSpec("http://10.0.0.5:8000")
+    assert InstanceSpec.parse("http://h:8000,shard=s-1,events=tcp://h:5557") == \
+        InstanceSpec("http://h:8000", "s-1", "tcp://h:5557")
+    for bad in ("10.0.0.5:8000", "http://h:8000,node=x", "http://h:8000,shard="):
+        with pytest.raises(BadRequest):
+            InstanceSpec.parse(bad)
+    assert subscribe_address("tcp://*:5557", "http://10.0.0.5:8000") == ("tcp://10.0.0.5:5557", False)
+    assert subscribe_address("ipc:///tmp/ev", "http://h:1") == ("ipc:///tmp/ev", False)
+    assert subscribe_address("tcp://10.0.0.9:5557", "http://h:1") == ("tcp://10.0.0.9:5557", True)  # vLLM dials
+    with pytest.raises(BadRequest):
+        subscribe_address("5557", "http://h:1")
+
+
+def test_an_event_feed_reads_vllms_frames_and_starts_over_at_a_gap():
+    import asyncio
+
+    import msgpack
+    import zmq
+
+    from kvpool.connectors.route.events import EventFeed
+
+    async def main():
+        view = GpuView(lambda salt: "default")
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        feed = EventFeed(view, "test", [(f"tcp://127.0.0.1:{port}", False)])
+        feed.start()
+        prompt = list(range(8))
+
+        def send(seq: int, payload: bytes) -> None:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+        async def until(cond):
+            for _ in range(200):
+                if cond():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("timed out")
+
+        try:
+            seq = 0
+            for seq in range(100):  # a subscriber joins a moment after it connects (ZMQ's slow joiner)
+                send(seq, msgpack.packb([1.0, [stored([1], prompt[:4])], 0]))
+                await asyncio.sleep(0.02)
+                if len(view):
+                    break
+            send(seq + 1, msgpack.packb([1.0, [stored([2], prompt[4:], parent=1)], 0]))
+            await until(lambda: view.leading(block_chain("default", prompt, BS)) == 2)
+            send(seq + 2, b"\xc1 not msgpack")
+            send(seq + 9, msgpack.packb([1.0, [stored([7], list(range(50, 54)))], 0]))  # 6 batches lost
+            await until(lambda: feed.gaps == 1)
+            assert feed.bad == 1 and view.leading(block_chain("default", prompt, BS)) == 0 and len(view) == 1
+        finally:
+            feed.close()
+            pub.close(linger=0)
+
+    asyncio.run(main())
