@@ -104,6 +104,7 @@ class Router:
         self.policy, self.cost, self.balance, self.memory = policy, cost, balance, memory
         self._next = 0
         self.sent: list[float] = []  # recent expected work routed to each instance, seconds
+        self._mean, self._routed = 0.0, 0  # a routed request's expected work (a moving mean), how many routed
 
     def choose(self, instances: Sequence[Instance], tokens: Sequence[dict[str, int]],
                usable: Sequence[bool] | None = None) -> int:
@@ -129,11 +130,22 @@ class Router:
         view = gpu_only if self.policy == "gpu-prefix" else (lambda t: t)
         if len(self.sent) != n:
             self.sent = [0.0] * n
-        cap = self.balance * sum(self.sent[i] for i in ok) / len(ok)
+        # NOTE: the bound leaves room for one request more than ``balance`` times the mean (a mean
+        # request's expected work): with few instances or few requests sent yet, one cold prefill
+        # must not push a conversation off the instance that holds it
+        cap = self.balance * sum(self.sent[i] for i in ok) / len(ok) + self._mean
         allowed = [i for i in ok if self.sent[i] <= cap] or ok
         expect = [self.cost.seconds(view(tokens[i])) for i in allowed]
-        k = min(range(len(allowed)), key=lambda j: instances[allowed[j]].backlog_s + expect[j])
+        # NOTE: an equal expectation goes to the more local copy (a GPU hit, then the node's shard: a
+        # tier measured at no cost is still never cheaper than the one before it), then to the
+        # instance sent the least work lately (new prefixes spread out, so their continuations
+        # need not move later)
+        k = min(range(len(allowed)), key=lambda j: (instances[allowed[j]].backlog_s + expect[j],
+                                                   tokens[allowed[j]].get("remote", 0), tokens[allowed[j]].get("node", 0),
+                                                   self.sent[allowed[j]]))
         keep = 1 - 1 / (self.memory * n)
         self.sent = [x * keep for x in self.sent]
         self.sent[allowed[k]] += expect[k]
+        self._mean += (expect[k] - self._mean) / min(self._routed + 1, self.memory)
+        self._routed += 1
         return allowed[k]

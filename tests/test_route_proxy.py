@@ -148,8 +148,8 @@ def test_an_instance_that_refuses_is_routed_around_and_marked_down():
             r, body = await post(client, {})
             assert json.loads(body)["instance"] == "s1"
         text = (await (await client.get("/metrics")).read()).decode()
-        assert f'kvpool_route_requests_total{{instance="{stands[0].url}",outcome="retried"}} 1.0' in text
-        assert 'kvpool_route_instance_up{instance="%s"} 0.0' % stands[0].url in text
+        assert f'kvpool_route_requests_total{{engine="{stands[0].url}",outcome="retried"}} 1.0' in text
+        assert 'kvpool_route_instance_up{engine="%s"} 0.0' % stands[0].url in text
     run(test)
 
 

@@ -4,6 +4,8 @@ planner over a real pool (tenants apart), the measured cost model, and the insta
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -188,6 +190,81 @@ def test_an_event_feed_reads_vllms_frames_and_starts_over_at_a_gap():
             assert feed.bad == 1 and view.leading(block_chain("default", prompt, BS)) == 0 and len(view) == 1
         finally:
             feed.close()
+            pub.close(linger=0)
+
+    asyncio.run(main())
+
+
+def test_a_config_file_holding_credentials_is_read_only_while_private(tmp_path):
+    from kvpool.connectors.route.main import read_config
+
+    cfg = {"kv_connector": "KVPoolConnector", "kv_connector_extra_config": {
+        "backend": "node", "tenants": [{"id": "acme", "credential": "kvp1.acme.x"}]}}
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(cfg))
+    path.chmod(0o644)
+    with pytest.raises(BadRequest, match="chmod 600"):
+        read_config(f"@{path}")
+    path.chmod(0o600)
+    assert read_config(f"@{path}") == cfg["kv_connector_extra_config"]
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"backend": "node", "tenants": ["a"], "credentials_file": "/x"}))
+    plain.chmod(0o644)  # names the credentials' file, holds none itself: readable is fine
+    assert read_config(f"@{plain}")["tenants"] == ["a"]
+    with pytest.raises(BadRequest, match="not JSON"):
+        read_config("{nope")
+
+
+def test_a_new_subscription_replays_what_the_instance_still_holds():
+    """A router that starts after the instance asks its replay endpoint (vLLM's ROUTER socket) for
+    every batch it holds, then follows the live ones, skipping those the replay already gave."""
+    import asyncio
+
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from kvpool.connectors.route.events import END_SEQ, EventFeed
+
+    prompt = list(range(12))
+    held = [(0, [stored([1], prompt[:4])]), (1, [stored([2], prompt[4:8], parent=1)])]
+
+    async def main():
+        ctx = zmq.asyncio.Context.instance()
+        router = ctx.socket(zmq.ROUTER)
+        rport = router.bind_to_random_port("tcp://127.0.0.1")
+        pub = ctx.socket(zmq.PUB)
+        pport = pub.bind_to_random_port("tcp://127.0.0.1")
+
+        async def serve_replay():  # as vLLM's publisher answers a replay request
+            client, _, start = await router.recv_multipart()
+            assert int.from_bytes(start, "big") == 0
+            for seq, events in held:
+                await router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), msgpack.packb([0.0, events, 0])])
+            await router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+        view = GpuView(lambda salt: "default")
+        replayer = asyncio.ensure_future(serve_replay())
+        feed = EventFeed(view, "test", [(f"tcp://127.0.0.1:{pport}", False)], replays=[f"tcp://127.0.0.1:{rport}"])
+        feed.start()
+        try:
+            await asyncio.wait_for(replayer, 5)
+            for _ in range(200):
+                if feed.replayed == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert view.leading(block_chain("default", prompt, BS)) == 2  # known before any live event
+            for _ in range(100):  # live: seq 1 again (published during the replay), then seq 2
+                await pub.send_multipart([b"", (1).to_bytes(8, "big"), msgpack.packb([0.0, held[1][1], 0])])
+                await pub.send_multipart([b"", (2).to_bytes(8, "big"),
+                                          msgpack.packb([0.0, [stored([3], prompt[8:], parent=2)], 0])])
+                await asyncio.sleep(0.05)
+                if view.leading(block_chain("default", prompt, BS)) == 3:
+                    break
+            assert view.leading(block_chain("default", prompt, BS)) == 3 and feed.gaps == 0
+        finally:
+            feed.close()
+            router.close(linger=0)
             pub.close(linger=0)
 
     asyncio.run(main())

@@ -6,8 +6,11 @@ Where they come from is asked of the instance itself: ``GET /kv_event_sources`` 
 is bound here, so several instances may publish to a router that listens. Frames are vLLM's:
 ``[topic, sequence number (8 bytes, big-endian), msgpack batch [ts, events, dp rank]]``.
 
-A gap in the sequence, or a sequence that starts over (the instance restarted), clears the view:
-what follows rebuilds it. A frame that does not decode is counted and dropped (the events port is
+When the instance has a replay endpoint (``replay_endpoint`` in its ``--kv-events-config``), a new
+subscription first asks it for every batch it still holds (vLLM keeps the last ``buffer_steps``
+steps' batches), so a router that starts or restarts after the instance knows the instance's cache
+at once, not only what changes from then on. A gap in the sequence, or a sequence that starts over
+(the instance restarted), clears the view: what follows rebuilds it. A frame that does not decode is counted and dropped (the events port is
 not authenticated: anyone who reaches it can mislead the router's locality, never an answer; and
 its frames carry each request's ``cache_salt``, so publish them only where the router alone
 listens: see docs/security.md).
@@ -27,6 +30,8 @@ from kvpool.errors import BadRequest
 log = logging.getLogger("kvpool.route")
 
 MAX_FRAME = 64 << 20  # bytes: a larger frame is refused by the socket itself
+REPLAY_TIMEOUT_S = 5.0
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
 
 
 def subscribe_address(endpoint: str, instance_url: str) -> tuple[str, bool]:
@@ -46,12 +51,14 @@ def subscribe_address(endpoint: str, instance_url: str) -> tuple[str, bool]:
 class EventFeed:
     """One instance's subscriptions (one per data-parallel rank), applied to ``view`` until closed."""
 
-    def __init__(self, view: GpuView, name: str, addresses: list[tuple[str, bool]], topic: str = "") -> None:
+    def __init__(self, view: GpuView, name: str, addresses: list[tuple[str, bool]], topic: str = "",
+                 replays: list[str | None] | None = None) -> None:
         import zmq
         import zmq.asyncio
 
         self.view, self.name = view, name
-        self.gaps = self.bad = self.batches = 0
+        self.gaps = self.bad = self.batches = self.replayed = 0
+        self._replays = replays or [None] * len(addresses)
         self._ctx = zmq.asyncio.Context.instance()
         self._socks, self._tasks = [], []
         for address, bind in addresses:
@@ -64,10 +71,58 @@ class EventFeed:
         self.addresses = [a for a, _ in addresses]
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._read(s)) for s in self._socks]
+        self._tasks = [asyncio.ensure_future(self._read(s, r)) for s, r in zip(self._socks, self._replays)]
 
-    async def _read(self, sock) -> None:
-        last = None
+    def _decode(self, seq_bytes: bytes, payload: bytes) -> tuple[int, list] | None:
+        try:
+            seq = int.from_bytes(seq_bytes, "big")
+            events = msgpack.unpackb(payload, raw=False, strict_map_key=False)[1]
+            if not isinstance(events, list):
+                raise ValueError("no event list")
+        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):
+            self.bad += 1
+            return None
+        return seq, events
+
+    def _apply(self, events: list) -> None:
+        self.batches += 1
+        for e in events:
+            if isinstance(e, dict):
+                self.view.apply(e)
+
+    async def _replay(self, address: str) -> tuple[int, int] | None:
+        """Every batch the instance still holds, applied in order; the first and last one's sequence
+        numbers (None: none, or no answer within ``REPLAY_TIMEOUT_S``, and nothing applied)."""
+        import zmq
+
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: list[tuple[int, list]] = []
+        try:
+            sock.connect(address)
+            await sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    break
+                one = self._decode(frames[2], frames[3])
+                if one is not None:
+                    got.append(one)
+        except (asyncio.TimeoutError, zmq.ZMQError) as e:
+            log.warning("kvpool route: %s's KV events replay at %s did not answer (%s): its GPU cache view starts "
+                        "from the next events", self.name, address, e or type(e).__name__)
+            return None
+        finally:
+            sock.close(linger=0)
+        for _, events in got:
+            self._apply(events)
+        self.replayed = len(got)
+        return (got[0][0], got[-1][0]) if got else None
+
+    async def _read(self, sock, replay: str | None) -> None:
+        replayed = await self._replay(replay) if replay else None
+        last = None if replayed is None else replayed[1]
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -76,26 +131,22 @@ class EventFeed:
             except Exception as e:  # noqa: BLE001 - a closed socket ends the feed
                 log.debug("kvpool route: events of %s ended (%s)", self.name, e)
                 return
-            try:
-                _, seq_bytes, payload = frames
-                seq = int.from_bytes(seq_bytes, "big")
-                batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-                events = batch[1]
-                if not isinstance(events, list):
-                    raise ValueError("no event list")
-            except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+            if len(frames) != 3:
                 self.bad += 1
                 continue
+            one = self._decode(frames[1], frames[2])
+            if one is None:
+                continue
+            seq, events = one
+            if replayed is not None and replayed[0] <= seq <= replayed[1]:
+                continue  # published while the replay ran: applied from it already
             if last is not None and seq != last + 1:
                 self.gaps += 1
                 log.warning("kvpool route: %s's KV events jumped from %d to %d (lost, or the instance restarted): "
                             "its GPU cache view starts over", self.name, last, seq)
                 self.view.clear()
             last = seq
-            self.batches += 1
-            for e in events:
-                if isinstance(e, dict):
-                    self.view.apply(e)
+            self._apply(events)
 
     def close(self) -> None:
         for t in self._tasks:
@@ -105,4 +156,5 @@ class EventFeed:
         self._tasks, self._socks = [], []
 
     def figures(self) -> dict:
-        return {"addresses": self.addresses, "batches": self.batches, "gaps": self.gaps, "bad_frames": self.bad}
+        return {"addresses": self.addresses, "batches": self.batches, "replayed": self.replayed, "gaps": self.gaps,
+                "bad_frames": self.bad}

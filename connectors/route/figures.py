@@ -1,13 +1,16 @@
-"""The router's Prometheus metrics (``GET /metrics`` on the router), beside the engines' own.
+"""The router's Prometheus metrics (``GET /metrics`` on the router), beside the engines' own. An
+engine instance is the label ``engine`` (its URL): Prometheus keeps ``instance`` for the target
+it scrapes.
 
-- ``kvpool_route_requests_total{instance,outcome}``: ``ok``, ``failed`` (the client got an error or
-  a cut stream), ``retried`` (the instance failed before answering; sent to another);
+- ``kvpool_route_requests_total{engine,outcome}``: ``ok``, ``failed`` (the client got an error or
+  a cut stream), ``retried`` (the instance failed before answering; sent to another),
+  ``client_gone`` (the client left mid-stream);
 - ``kvpool_route_prompt_tokens_total{tier}``: prompt tokens of routed requests by the tier the
   router expected them from on the chosen instance (``gpu``, ``node``, ``remote``, ``miss``);
-- ``kvpool_route_ttft_seconds{instance}``: time to the first byte of a streamed answer (the whole
+- ``kvpool_route_ttft_seconds{engine}``: time to the first byte of a streamed answer (the whole
   answer otherwise);
-- ``kvpool_route_instance_up{instance}``, ``kvpool_route_backlog_seconds{instance}``,
-  ``kvpool_route_gpu_blocks{instance}`` (blocks its KV events show in its own cache);
+- ``kvpool_route_instance_up{engine}``, ``kvpool_route_backlog_seconds{engine}``,
+  ``kvpool_route_gpu_blocks{engine}`` (blocks its KV events show in its own cache);
 - ``kvpool_route_cost_seconds_per_token{tier}``: the measured cost model (:mod:`.costs`);
 - ``kvpool_route_index_errors_total``: lookups the pool could not answer (routed by load);
 - ``kvpool_route_predicted_cached_tokens_total`` / ``kvpool_route_engine_cached_tokens_total``: of
@@ -25,16 +28,16 @@ class Figures:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvpool_route_requests", "Requests routed, by instance and outcome",
-                                ["instance", "outcome"], registry=r)
+                                ["engine", "outcome"], registry=r)
         self.tokens = Counter("kvpool_route_prompt_tokens", "Prompt tokens routed, by the tier expected",
                               ["tier"], registry=r)
-        self.ttft = Histogram("kvpool_route_ttft_seconds", "Time to first byte of the answer", ["instance"],
+        self.ttft = Histogram("kvpool_route_ttft_seconds", "Time to first byte of the answer", ["engine"],
                               buckets=TTFT_BUCKETS, registry=r)
-        self.up = Gauge("kvpool_route_instance_up", "1 while the instance answers", ["instance"], registry=r)
-        self.backlog = Gauge("kvpool_route_backlog_seconds", "Expected seconds of work queued", ["instance"],
+        self.up = Gauge("kvpool_route_instance_up", "1 while the instance answers", ["engine"], registry=r)
+        self.backlog = Gauge("kvpool_route_backlog_seconds", "Expected seconds of work queued", ["engine"],
                              registry=r)
         self.gpu_blocks = Gauge("kvpool_route_gpu_blocks", "Blocks its KV events show in its own cache",
-                                ["instance"], registry=r)
+                                ["engine"], registry=r)
         self.cost = Gauge("kvpool_route_cost_seconds_per_token", "Measured cost of a token, by tier", ["tier"],
                           registry=r)
         self.index_errors = Counter("kvpool_route_index_errors", "Lookups the pool could not answer", registry=r)

@@ -26,6 +26,7 @@ from kvpool.errors import BadRequest
 log = logging.getLogger("kvpool.route")
 
 _QUEUE = re.compile(rb"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})? (\S+)$", re.M)
+_STEPS = re.compile(rb"^vllm:iteration_tokens_total_count(?:\{[^}]*\})? (\S+)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,11 @@ class Upstream:
     view: GpuView
     up: bool = False
     why_down: str = "not asked yet"
-    queued: int = 0  # running + waiting, from its /metrics (every router's requests)
+    others: int = 0  # requests running or waiting on it that are not this router's, at the last look
     inflight: dict[int, float] = field(default_factory=dict)  # this router's requests on it -> expected s
+    sent: int = 0  # this router's requests sent to it, ever
+    steps: float = -1.0  # engine steps it had run at the last look
+    fresh: int = 0  # others' requests its last look showed
     feed: EventFeed | None = None
     told_no_events: bool = False
 
@@ -69,8 +73,7 @@ class Upstream:
     def backlog_s(self, mean_s: float) -> float:
         """Seconds of work ahead of a new request: this router's requests on it, and the others its
         metrics count, each at the mean expected time."""
-        mine = sum(self.inflight.values())
-        return mine + max(0, self.queued - len(self.inflight)) * mean_s
+        return sum(self.inflight.values()) + self.others * mean_s
 
 
 class Fleet:
@@ -115,6 +118,7 @@ class Fleet:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.health_s)
+        ours, sent = len(u.inflight), u.sent  # what of its queue may be this router's (below)
         try:
             async with self.session.get(u.spec.url + "/health", timeout=timeout) as r:
                 if r.status != 200:
@@ -124,10 +128,19 @@ class Fleet:
         except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as e:
             self.mark_down(u, f"health check: {e or type(e).__name__}")
             return
-        u.queued = int(sum(float(m[2]) for m in _QUEUE.finditer(text)))
+        # NOTE: vLLM's queue gauges are its last step's (requests that ended in it included) and keep
+        # those values while it idles. So others' requests are its queue less every request of this
+        # router's that was on it at some time while it answered (in flight, or sent since), taken
+        # only while it keeps stepping, as the lower of two looks in a row: an engine that ran no step
+        # since the last look, or ran a burst and stopped, is not taken as busy (this router's own
+        # requests are always counted; a step longer than the health interval is missed).
+        steps = sum(float(m[1]) for m in _STEPS.finditer(text))
+        queued = int(sum(float(m[2]) for m in _QUEUE.finditer(text)))
+        fresh = 0 if steps == u.steps else max(0, queued - ours - (u.sent - sent))
+        u.others, u.steps, u.fresh = min(fresh, u.fresh), steps, fresh
         if not u.up:
             u.up, u.why_down = True, ""
-            log.warning("kvpool route: %s is up (shard %s)", u.name, u.spec.shard or "unknown")
+            log.info("kvpool route: %s is up (shard %s)", u.name, u.spec.shard or "unknown")
             await self._models(u)
         if u.feed is None:
             await self._subscribe(u)
@@ -135,7 +148,7 @@ class Fleet:
     def mark_down(self, u: Upstream, why: str) -> None:
         if u.up or u.why_down == "not asked yet":
             log.warning("kvpool route: %s is down (%s): routed around until it answers again", u.name, why)
-        u.up, u.why_down, u.queued = False, why, 0
+        u.up, u.why_down, u.others = False, why, 0
         self._drop_feed(u)
 
     def _drop_feed(self, u: Upstream) -> None:
@@ -160,6 +173,7 @@ class Fleet:
         """Its KV events: the address given, else those it announces (none: its GPU cache stays unknown)."""
         import aiohttp
 
+        replays: list[str | None] = []
         if u.spec.events:
             addresses = [subscribe_address(u.spec.events, u.spec.url)]
         else:
@@ -173,6 +187,8 @@ class Fleet:
                     and c.get("enable_kv_cache_events") and c.get("publisher") == "zmq"]
             try:
                 addresses = [subscribe_address(c.get("endpoint"), u.spec.url) for c in cfgs]
+                replays = [subscribe_address(c["replay_endpoint"], u.spec.url)[0] if c.get("replay_endpoint") else None
+                           for c in cfgs]
             except BadRequest as e:
                 log.warning("kvpool route: %s: %s; its GPU cache is not followed", u.name, e)
                 addresses = []
@@ -183,7 +199,7 @@ class Fleet:
                 u.told_no_events = True
             return
         try:
-            u.feed = EventFeed(u.view, u.name, addresses)
+            u.feed = EventFeed(u.view, u.name, addresses, replays=replays or None)
         except Exception as e:  # noqa: BLE001 - an address in use, a bad one: the GPU cache stays unknown
             log.warning("kvpool route: %s: cannot subscribe to its KV events at %s (%s)", u.name, addresses, e)
             return

@@ -14,13 +14,15 @@ log = logging.getLogger("kvpool.route")
 
 def read_config(text: str) -> dict[str, Any]:
     """The engines' connector config: ``kv_transfer_config`` JSON (what ``kvpool connect vllm``
-    prints) or its ``kv_connector_extra_config``, inline or ``@FILE``."""
-    if text.startswith("@"):
+    prints) or its ``kv_connector_extra_config``, inline or ``@FILE``. A file that holds a
+    credential or a request secret itself is refused while others can read it (``chmod 600``)."""
+    path = os.path.expanduser(text[1:]) if text.startswith("@") else None
+    if path is not None:
         try:
-            with open(os.path.expanduser(text[1:])) as f:
+            with open(path) as f:
                 text = f.read()
         except OSError as e:
-            raise BadRequest(f"--config {text}: cannot read it ({e.strerror})") from None
+            raise BadRequest(f"--config {path}: cannot read it ({e.strerror})") from None
     try:
         cfg = json.loads(text)
     except ValueError:
@@ -28,7 +30,13 @@ def read_config(text: str) -> dict[str, Any]:
                          "--config \"$(kvpool connect vllm)\", or @FILE holding it") from None
     if not isinstance(cfg, dict):
         raise BadRequest("--config: a JSON object (the engines' --kv-transfer-config)")
-    return cfg.get("kv_connector_extra_config", cfg) if "kv_connector" in cfg else cfg
+    cfg = cfg.get("kv_connector_extra_config", cfg) if "kv_connector" in cfg else cfg
+    tenants = cfg.get("tenants") if isinstance(cfg.get("tenants"), list) else []
+    if path is not None and any(isinstance(t, dict) and ({"credential", "request_secret"} & set(t)) for t in tenants):
+        from kvpool.private import check_private
+
+        check_private(path, "--config")
+    return cfg
 
 
 def build(args) -> "RouteService":  # noqa: F821 - imported below

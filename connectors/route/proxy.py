@@ -124,8 +124,9 @@ class RouteService:
             u, tiers = picked
             rid, expected = next(self._ids), self.cost.overhead_s + self.cost.model().seconds(tiers)
             self._mean_s = expected if not self._mean_s else 0.9 * self._mean_s + 0.1 * expected
-            clean = not u.inflight and u.queued == 0
+            clean = not u.inflight and u.others == 0
             u.inflight[rid] = expected
+            u.sent += 1
             try:
                 return await self._forward(request, raw, body, u, tiers, clean)
             except _Failed as e:
@@ -256,6 +257,6 @@ class RouteService:
             "policy": self.router.policy, "cost": self.cost.figures(), "mean_request_s": self._mean_s,
             "tenancy": self.planner.tenancy.stats(),
             "instances": [{"url": u.name, "shard": u.spec.shard, "up": u.up, "why_down": u.why_down,
-                           "queued": u.queued, "inflight": len(u.inflight), "backlog_s": u.backlog_s(self._mean_s),
+                           "others_queued": u.others, "inflight": len(u.inflight), "backlog_s": u.backlog_s(self._mean_s),
                            "gpu_blocks": len(u.view), "events": u.feed.figures() if u.feed else None}
                           for u in self.fleet.instances]})
