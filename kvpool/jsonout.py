@@ -80,3 +80,13 @@ def json_command(func: Callable[[Any], int]) -> Callable[[Any], int]:
 def _flush(stream: Any) -> None:
     with contextlib.suppress(Exception):  # a closed or detached stream has nothing to flush
         stream.flush()
+
+
+def show(args, result, table) -> None:
+    """The result as JSON on the real stdout (``--json``; the command runs under
+    :func:`kvpool.jsonout.json_command`, so anything else printed meanwhile goes to stderr), else
+    ``table(result)``."""
+    if args.json:
+        emit(result)
+    else:
+        print(table(result))

@@ -91,8 +91,8 @@ def test_json_commands_keep_engine_logs_off_stdout():
     import subprocess
     import sys
 
-    code = ("import os, sys, json\nfrom kvpool.bench.cli import _stdout_to_stderr\n"
-            "with _stdout_to_stderr():\n    print('python log')\n    os.write(1, b'native log\\n')\n"
+    code = ("import os, sys, json\nfrom kvpool.jsonout import json_stdout\n"
+            "with json_stdout():\n    print('python log')\n    os.write(1, b'native log\\n')\n"
             "print(json.dumps({'ok': 1}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout == '{"ok": 1}\n'

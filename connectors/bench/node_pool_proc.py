@@ -1,5 +1,7 @@
-"""A kvpool node started outside this process, as an operator runs it, for the benchmarks that
-put an engine on the node path: a Ray head with a temp dir and port of its own, ``kvpool up`` with
+"""A kvpool pool started outside this process, as an operator runs it, for the benchmarks that
+put an engine on the node path: a Ray head with a temp dir and port of its own (and ``nodes - 1``
+more Ray nodes on this machine, a shard each, all announcing themselves in one run dir: an engine
+names its node's shard), ``kvpool up`` with
 its index in a redis-server of its own when one is installed (else the embedded index), both with
 ``.venv/bin`` when it exists, else this environment's; a run dir of its own under /dev/shm.
 Everything it starts is stopped by :meth:`NodePool.close`.
@@ -43,16 +45,19 @@ def pool_bin(name: str) -> str:
     return found
 
 
-def log(msg: str, progress: bool) -> None:
+def log(msg: str, progress: bool, bench: str = "ttft") -> None:
     if progress:
-        print(f"[bench ttft] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+        print(f"[bench {bench}] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
 
 class NodePool:
     """A pool outside this process: Ray head + ``kvpool up`` (+ redis-server), a run dir of its own."""
 
-    def __init__(self, page_bytes: int, dram_pages: int, progress: bool = True) -> None:
-        self.progress = progress
+    def __init__(self, page_bytes: int, dram_pages: int, progress: bool = True, nodes: int = 1,
+                 tenants: tuple[str, ...] = (TENANT,)) -> None:
+        if nodes < 1 or TENANT not in tenants:
+            raise BadRequest(f"a pool of at least one node serving tenant {TENANT!r}")
+        self.progress, self.nodes, self.tenants = progress, nodes, tuple(tenants)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.run_dir = tempfile.mkdtemp(prefix="kvpool-bench-run-", dir=shm)  # the slab lives here: tmpfs
         # NOTE: short: Ray puts its sockets under its temp dir (a Unix socket path has ~107 bytes)
@@ -64,10 +69,12 @@ class NodePool:
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secret)
-        self.credential = Authority(secret).issue(TENANT)  # what the operator hands the engine
+        self.credentials = {t: Authority(secret).issue(t) for t in self.tenants}  # what the operator hands engines
+        self.credential = self.credentials[TENANT]
         self.env = {**{k: v for k, v in os.environ.items()
                        if not k.startswith(("VLLM_", "KVPOOL_SECRET", "RAY_ADDRESS", "PYTHONPATH"))},
-                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                    # NOTE: Ray refuses a second node beside a head on 127.0.0.1 unless asked to ("1")
+                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1" if nodes > 1 else "0", "RAY_AUTH_MODE": "disabled",
                     "KVPOOL_RUN_DIR": self.run_dir, "RAY_USAGE_STATS_ENABLED": "0"}
         self.redis: subprocess.Popen | None = None
         self.index = "embedded"
@@ -89,21 +96,36 @@ class NodePool:
                            env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True)
         if r.returncode:
             raise RuntimeError(f"ray start failed:\n{(r.stdout + r.stderr)[-3000:]}")
+        for _ in range(self.nodes - 1):  # NOTE: a node's processes live under the head's temp dir too
+            r = subprocess.run([pool_bin("ray"), "start", f"--address={self.address}", "--node-ip-address=127.0.0.1",
+                                "--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats"],
+                               env=self.env, capture_output=True, text=True, timeout=180, start_new_session=True)
+            if r.returncode:
+                raise RuntimeError(f"ray start (another node) failed:\n{(r.stdout + r.stderr)[-3000:]}")
         log(f"kvpool up (index {self.index}, {self.dram_pages} pages of {self.page_bytes >> 20} MiB)", self.progress)
         cmd = [pool_bin("kvpool"), "up", "--ray-address", self.address, "--page-size", str(self.page_bytes),
-               "--dram-pages", str(self.dram_pages), "--tenant", TENANT, "--secret-file", self.secret_file,
-               "--insecure-ray"]  # its own loopback head, started without Ray's token
+               "--dram-pages", str(self.dram_pages), *(a for t in self.tenants for a in ("--tenant", t)),
+               "--secret-file", self.secret_file, "--insecure-ray"]  # its own loopback head, started without Ray's token
         if self.redis is not None:
             cmd += ["--redis", self.index, "--insecure-redis"]  # its own loopback redis-server, without ACL users
         r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=240, start_new_session=True)
         if r.returncode:
             raise RuntimeError(f"kvpool up failed:\n{(r.stdout + r.stderr)[-3000:]}")
-        if not [f for f in os.listdir(self.run_dir) if f.endswith(".node")]:
-            raise RuntimeError(f"kvpool up left no shard file in {self.run_dir}")
+        deadline = time.monotonic() + 60
+        while len(self.shards()) < self.nodes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvpool up left {len(self.shards())} shard files in {self.run_dir}, not {self.nodes}")
+            time.sleep(0.2)
 
-    def connector_config(self) -> dict[str, Any]:
-        return {"backend": "node", "pool": "default", "run_dir": self.run_dir, "chunk_tokens": CHUNK_TOKENS,
-                "tenants": [{"id": TENANT, "credential": self.credential}]}
+    def shards(self) -> list[str]:
+        """The shards' ids, from their node files (kvpool-<pool>-<shard>.node)."""
+        return sorted(f[len("kvpool-default-"):-len(".node")] for f in os.listdir(self.run_dir)
+                      if f.startswith("kvpool-default-") and f.endswith(".node"))
+
+    def connector_config(self, chunk_tokens: int = CHUNK_TOKENS, **more: Any) -> dict[str, Any]:
+        """An engine's pool config, serving every tenant of the pool (``more``: ``shard``, ...)."""
+        return {"backend": "node", "pool": "default", "run_dir": self.run_dir, "chunk_tokens": chunk_tokens,
+                "tenants": [{"id": t, "credential": c} for t, c in self.credentials.items()], **more}
 
     def head_pids(self) -> list[int]:
         """This Ray head's processes: every one names its temp dir (other Rays here are left alone)."""

@@ -88,7 +88,8 @@ class Server:
     """vLLM's OpenAI server with the KVPoolConnector on ``pool`` (its connector config)."""
 
     def __init__(self, model: str, pool: dict[str, Any], context: int, workdir: str, *, multiprocess: bool,
-                 kv_cache_gib: int = 2, max_model_len: int | None = None) -> None:
+                 kv_cache_gib: int = 2, max_model_len: int | None = None, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> None:
         from kvpool.connectors.vllm import kv_transfer_config
 
         self.port = free_port()
@@ -107,13 +108,14 @@ class Server:
             f.write("import torch\ntorch.set_flush_denormal(True)\n")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-                    "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"})
+                    "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+                    **(extra_env or {})})
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(self.port),
                "--skip-tokenizer-init", "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
                "--max-model-len", str(max_model_len or max(2048, context + 64)), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning",
-               "--kv-transfer-config", json.dumps(kv_config)]
+               "--kv-transfer-config", json.dumps(kv_config), *extra_args]
         if multiprocess:
             cmd[5:5] = ["--distributed-executor-backend", "mp"]
         self.log_path = os.path.join(workdir, f"server-{pool['backend']}-{self.port}.log")
@@ -145,6 +147,17 @@ class Server:
             return f.read()[-n:]
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, bytes]:
+        reused = self.conn is not None
+        try:
+            return self._request_once(method, path, body, timeout)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if not reused:
+                raise
+            # NOTE: the server closed the idle kept-alive connection (uvicorn: after 5 s) before it
+            # read this request: nothing was done, so it is sent once more on a new connection
+            return self._request_once(method, path, body, timeout)
+
+    def _request_once(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
         if self.conn is None:
             self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         self.conn.timeout = timeout

@@ -4,12 +4,12 @@ that need Ray or an engine are imported when their command runs."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
+from kvpool.bench.cli_engines import add_engine_benches
 from kvpool.errors import BadRequest
-from kvpool.jsonout import emit, json_command, json_stdout
+from kvpool.jsonout import emit, json_command, show
 from kvpool.spec import STORAGE_FORMATS
 
 
@@ -17,7 +17,7 @@ def _bench_store(args: argparse.Namespace) -> int:
     from kvpool.bench import store
 
     result = store.run(chunks=args.chunks, trials=args.trials, progress=not args.json)
-    _show(args, result, store.format_table)
+    show(args, result, store.format_table)
     return 0
 
 
@@ -25,7 +25,7 @@ def _bench_slices(args: argparse.Namespace) -> int:
     from kvpool.bench import slices
 
     tps = tuple(int(t) for t in args.tp.split(",") if t)
-    _show(args, slices.run(args.chunks, args.rounds, tps, progress=not args.json), slices.format_table)
+    show(args, slices.run(args.chunks, args.rounds, tps, progress=not args.json), slices.format_table)
     return 0
 
 
@@ -35,7 +35,7 @@ def _bench_concurrency(args: argparse.Namespace) -> int:
     setup = concurrency.Setup(hbm_gib=args.hbm_gib, horizon_s=args.horizon)
     policies = None if args.policy == "all" else args.policy.split(",")
     result = concurrency.run(setup, policies, progress=not args.json)
-    _show(args, result, concurrency.format_table)
+    show(args, result, concurrency.format_table)
     return 0
 
 
@@ -45,7 +45,7 @@ def _bench_index(args: argparse.Namespace) -> int:
     if args.keys < 1 or args.reps < 1:
         raise BadRequest("--keys and --reps are at least 1")
     result = index.run(args.redis, prompt_chunks=args.keys, reps=args.reps, progress=not args.json)
-    _show(args, result, index.format_table)
+    show(args, result, index.format_table)
     return 0
 
 
@@ -59,7 +59,7 @@ def _bench_peers(args: argparse.Namespace) -> int:
     kw = dict(rounds=args.rounds, peers=names, ops={"256KiB": args.ops256, "32MiB": args.ops32},
               redis_url=args.redis)
     r = peers.run(**kw, progress=True)
-    _show(args, r, peers.format_table)
+    show(args, r, peers.format_table)
     return 0 if peers.wrong_bytes(r) == 0 else 1
 
 
@@ -79,7 +79,7 @@ def _bench_datapath(args: argparse.Namespace) -> int:
     kw = dict(rounds=args.rounds, ops={"small": args.ops256, "large": args.ops32}, large_mib=args.large_mib,
               peers=peers, redis_url=args.redis, dram_pages=args.dram_pages, progress=True)
     r = bench_node.run(**kw)
-    _show(args, r, bench_node.format_table)
+    show(args, r, bench_node.format_table)
     why = bench_node.failures(r)
     for w in why:
         print(f"bench datapath: FAILED: {w}", file=sys.stderr)
@@ -91,7 +91,7 @@ def _bench_placement(args: argparse.Namespace) -> int:
 
     if args.nodes < 2 or args.capacity < 1:
         raise BadRequest("--nodes: at least 2 (a node is lost mid-trace); --capacity: at least 1 chunk")
-    _show(args, placement.run(args.trace, nodes=args.nodes, capacity=args.capacity), placement.format_table)
+    show(args, placement.run(args.trace, nodes=args.nodes, capacity=args.capacity), placement.format_table)
     return 0
 
 
@@ -99,7 +99,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from kvpool.cluster.bench import soak
 
     r = soak.run(seconds=args.seconds, clients=args.clients, nodes=args.nodes, progress=not args.json)
-    _show(args, r, soak.format_report)
+    show(args, r, soak.format_report)
     return 0 if r["wrong_bytes"] == 0 else 1
 
 
@@ -112,7 +112,7 @@ def _bench_chaos(args: argparse.Namespace) -> int:
         raise BadRequest(f"--faults: unknown {unknown}; choose from {', '.join(chaos.FAULTS)}")
     kw = dict(faults=faults, runs=args.runs, seconds_per_fault=args.seconds_per_fault, clients=args.clients)
     r = chaos.run(**kw, progress=True)
-    _show(args, r, chaos.format_table)
+    show(args, r, chaos.format_table)
     return 0 if r["total"]["wrong_bytes"] == 0 and not r["hung_clients"] else 1
 
 
@@ -120,7 +120,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     from kvpool.bench import kernels
 
     result = kernels.run(device=args.device, context=args.context, progress=not args.json)
-    _show(args, result, kernels.format_table)
+    show(args, result, kernels.format_table)
     return 0
 
 
@@ -128,55 +128,15 @@ def _bench_capacity(args: argparse.Namespace) -> int:
     from kvpool.bench import capacity
 
     rows = capacity.run(args.mib, tuple(f for f in args.formats.split(",") if f), args.dtype, progress=not args.json)
-    _show(args, rows, capacity.format_table)
+    show(args, rows, capacity.format_table)
     return 0
-
-
-def _bench_ttft(args: argparse.Namespace) -> int:
-    from kvpool.connectors.bench import ttft as bench_ttft
-
-    real = args.model == "smollm2"
-    default = "1024,4096,8192" if real else "4096" if args.engine == "vllm-server" else "1024,4096,16384"
-    try:
-        contexts = [int(c) for c in (args.context or default).split(",")]
-    except ValueError:
-        raise BadRequest(f"--context {args.context!r}: give token counts, e.g. 1024,4096") from None
-    kw = dict(backend=args.backend, repeats=args.repeats, compare_local=args.compare_local, model=args.model)
-    rows = bench_ttft.run(args.engine, contexts, progress=True, **kw)  # progress: on stderr
-    _show(args, rows, bench_ttft.format_table)
-    if real:
-        from kvpool.connectors.bench import ttft_real as bench_ttft_real
-
-        why = bench_ttft_real.failures(rows)
-    elif args.engine == "vllm-server":
-        from kvpool.connectors.bench import vllm_server as vllm_server_bench
-
-        why = vllm_server_bench.failures(rows)
-    else:
-        why = []
-    for w in why:
-        print(f"bench ttft: {w}", file=sys.stderr)
-    return 1 if why else 0
-
-
-_stdout_to_stderr = json_stdout  # the helper's former name here (tests/test_cli.py imports it)
-
-
-def _show(args: argparse.Namespace, result, table) -> None:
-    """The result as JSON on the real stdout (``--json``; the command runs under
-    :func:`kvpool.jsonout.json_command`, so anything else printed meanwhile goes to stderr), else
-    ``table(result)``."""
-    if args.json:
-        emit(result)
-    else:
-        print(table(result))
 
 
 def _bench_auth(args: argparse.Namespace) -> int:
     from kvpool.bench import auth
 
     result = auth.run(calls=args.calls, progress=not args.json)
-    _show(args, result, auth.format_table)
+    show(args, result, auth.format_table)
     return 0
 
 
@@ -188,62 +148,10 @@ def _bench_secure(args: argparse.Namespace) -> int:
                             progress=not args.json)
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    _show(args, result, secure.format_table)
+    show(args, result, secure.format_table)
     for w in secure.failures(result):
         print(f"bench secure: FAILED: {w}", file=sys.stderr)
     return 1 if secure.failures(result) else 0
-
-
-def _bench_weights(args: argparse.Namespace) -> int:
-    from kvpool.connectors.bench import weights as bench_weights
-
-    try:
-        result = bench_weights.run(args.size_gib, args.rounds, args.dir, progress=not args.json)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    _show(args, result, bench_weights.format_table)
-    return 0
-
-
-def _bench_importance(args: argparse.Namespace) -> int:
-    from kvpool.connectors.bench import importance as bench_importance
-
-    result = bench_importance.run(model_name=args.model, docs=args.docs, hot=args.hot, doc_tokens=args.doc_tokens,
-                                  capacity=args.capacity, requests=args.requests, seeds=args.seeds,
-                                  progress=not args.json)
-    _show(args, result, bench_importance.format_table)
-    return 0
-
-
-def _bench_sliding(args: argparse.Namespace) -> int:
-    from kvpool.connectors.bench import sliding as bench_sliding
-
-    rows = bench_sliding.run(args.context, args.rounds, progress=not args.json)
-    _show(args, rows, bench_sliding.format_table)
-    return 0
-
-
-def _bench_quality(args: argparse.Namespace) -> int:
-    from kvpool.connectors.bench import quality as bq
-
-    def names(text: str | None) -> tuple[str, ...] | None:
-        return None if text is None else tuple(n for n in text.split(",") if n and n != "none")
-
-    try:
-        budgets = tuple(float(b) for b in args.budgets.split(",") if b) if args.budgets else None
-    except ValueError:
-        raise BadRequest(f"--budgets {args.budgets!r}: give fractions of the context, e.g. 0.5,0.25") from None
-    base = bq.QUICK if args.quick else bq.Settings()
-    given = {"context": args.context, "scored": args.scored, "greedy": args.greedy, "prompts": args.prompts,
-             "chunk_tokens": args.chunk_tokens, "formats": names(args.formats), "budgets": budgets,
-             "threads": args.threads}
-    settings = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None},
-                                   methods=names(args.methods))
-    result = bq.run(settings, progress=True)
-    _show(args, result, bq.format_table)
-    if args.plot:
-        print(f"bench quality: plot written to {bq.plot(result, args.plot)}", file=sys.stderr)
-    return 0
 
 
 def add_bench_parser(sub) -> None:
@@ -319,33 +227,6 @@ def add_bench_parser(sub) -> None:
     bx.add_argument("--seconds-per-fault", type=float, default=10.0, help="quiet period after each fault")
     bx.add_argument("--clients", type=int, default=3, help="verifying client processes")
     bx.set_defaults(func=_bench_chaos)
-    bt = bsub.add_parser("ttft", help="time to first token with and without the pool (same prompt, same run)")
-    bt.add_argument("--engine", choices=["hf", "vllm", "vllm-server"], default="hf",
-                    help="vllm-server: vLLM's OpenAI server, cold vs its own prefix-cache hit vs a pool hit")
-    bt.add_argument("--model", choices=["random", "qwen2", "smollm2", "gemma2", "mamba2", "qwen3-next"], default="random",
-                    help="random: a random-weight Llama (exactness); qwen2 (vllm-server): a random-weight Qwen2 "
-                    "a small Qwen2 shape (5 layers, hidden 768, 12 heads over 3 KV heads); smollm2: the real SmolLM2-135M-Instruct on "
-                    "real English prompts, its answers with and without the pool compared; gemma2 (vllm): a "
-                    "random-weight Gemma 2 (sliding and full layers) with vLLM's hybrid allocator on, then off; "
-                    "mamba2, qwen3-next (hf): random-weight models with recurrent layers, their state stored in "
-                    "the chunks")
-    bt.add_argument("--context", default=None, help="prompt lengths in tokens, comma-separated (default "
-                    "1024,4096,16384; vllm-server: one, default 4096; smollm2: 1024,4096,8192, the last measured "
-                    "at 8192 minus the answer)")
-    bt.add_argument("--backend", choices=["local", "node"], default=None,
-                    help="the pool: local (in-process) or node (a pool started outside the engine, reached "
-                    "through the node's shard); default: node for vllm-server, local otherwise")
-    bt.add_argument("--repeats", type=int, default=None, help="vllm and vllm-server: repetitions of each case, medians "
-                    "and ranges (default 5; vllm: 1 above 4K tokens)")
-    bt.add_argument("--compare-local", action=argparse.BooleanOptionalAction, default=True,
-                    help="vllm-server with --backend node: also the in-process pool, in the same run")
-    bt.set_defaults(func=_bench_ttft)
-    bw = bsub.add_parser("weights", help="cost of keying a model by its checkpoint (the files fingerprint and the "
-                         "sample of the loaded tensors): first start and later ones, beside a plain read")
-    bw.add_argument("--size-gib", type=float, default=16.0, help="size of the simulated checkpoint")
-    bw.add_argument("--rounds", type=int, default=3)
-    bw.add_argument("--dir", default=None, help="where to write it (default /var/tmp)")
-    bw.set_defaults(func=_bench_weights)
     ba = bsub.add_parser("auth", help="the credential check on lookup, get and put vs the same calls without it")
     ba.add_argument("--calls", type=int, default=400, help="calls per figure (a quarter for 32 MiB chunks)")
     ba.set_defaults(func=_bench_auth)
@@ -359,38 +240,7 @@ def add_bench_parser(sub) -> None:
     bs.add_argument("--control", action="store_true", help="both pools open: the harness's own noise between "
                     "two equal pools")
     bs.set_defaults(func=_bench_secure)
-    bl = bsub.add_parser("sliding", help="what keeping every layer's KV costs sliding-window models (transformers)")
-    bl.add_argument("--context", type=int, default=8192)
-    bl.add_argument("--rounds", type=int, default=3)
-    bl.set_defaults(func=_bench_sliding)
-    bm = bsub.add_parser("importance", help="the importance policy fed the real model's attention mass vs adaptive "
-                         "and lru: hit rate on long documents with a few hot ones")
-    bm.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny (random weights: a smoke test)")
-    bm.add_argument("--docs", type=int, default=11)
-    bm.add_argument("--hot", type=int, default=3)
-    bm.add_argument("--doc-tokens", type=int, default=512)
-    bm.add_argument("--capacity", type=int, default=64, help="pool size in chunks (32 tokens each)")
-    bm.add_argument("--requests", type=int, default=300)
-    bm.add_argument("--seeds", type=int, default=3)
-    bm.set_defaults(func=_bench_importance)
-    bq = bsub.add_parser("quality", help="the lossy storage formats and token eviction against the model's own KV, "
-                         "on the real model (SmolLM2-135M) and real text: bytes, perplexity, KL, greedy tokens")
-    bq.add_argument("--context", type=int, default=None, help="context tokens per passage (default 1024)")
-    bq.add_argument("--scored", type=int, default=None, help="continuation tokens scored (default 128)")
-    bq.add_argument("--greedy", type=int, default=None, help="greedy tokens compared (default 64)")
-    bq.add_argument("--prompts", type=int, default=None, help="passages (default 3)")
-    bq.add_argument("--chunk-tokens", type=int, default=None, help="the pool's chunk (default 256)")
-    bq.add_argument("--formats", default=None, help="comma-separated (default fp8,int8,int4-kivi,int2-kivi; "
-                    "none for none)")
-    bq.add_argument("--methods", default=None, help="eviction methods, comma-separated (default all; none for none)")
-    bq.add_argument("--budgets", default=None, help="eviction budgets as fractions of the context (default "
-                    "0.5,0.25,0.125)")
-    bq.add_argument("--threads", type=int, default=None, help="torch threads (default 1: on a shared machine one "
-                    "thread decoded several times faster than two)")
-    bq.add_argument("--quick", action="store_true", help="tiny settings (one short passage), for a smoke test")
-    bq.add_argument("--plot", nargs="?", const="docs/quality.png", default=None,
-                    help="write the plot (PNG) there (default docs/quality.png)")
-    bq.set_defaults(func=_bench_quality)
+    add_engine_benches(bsub)
     for p in bsub.choices.values():  # --json prints only JSON on stdout: engines, Ray, native code log to stderr
         p.add_argument("--json", action="store_true", help="the result as JSON on stdout")
         p.set_defaults(func=json_command(p.get_default("func")))
