@@ -144,7 +144,7 @@ def kubernetes_validate():
     return kubernetes_validate
 
 
-CORE_KINDS = {"ConfigMap", "Secret", "Service", "StatefulSet", "Job", "CronJob"}
+CORE_KINDS = {"ConfigMap", "Secret", "Service", "StatefulSet", "Job", "CronJob", "Deployment"}
 POOL_SECRET_DIR = "/var/run/secrets/kvpool"
 CUSTOM_KINDS = {"RayCluster", "PodMonitor", "ServiceMonitor"}
 
@@ -656,7 +656,8 @@ def test_wait_for_ray_waits_then_gives_up_with_the_reason():
 def test_prometheus_scrapes_every_ray_pod(value_set):
     vals = values_of(value_set)
     docs = render(value_set)
-    monitors = [d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"]
+    monitors = [d for d in docs if d["apiVersion"] == "monitoring.coreos.com/v1"
+                and not d["metadata"]["name"].endswith("-router")]  # the router's: test_the_router_...
     if not vals["monitoring"]["enabled"]:
         assert monitors == []
         return
@@ -1028,6 +1029,25 @@ def exported_series() -> dict[str, set[str]]:
     assert tags == {"transport"}, tags
     for suffix in ("_bucket", "_sum", "_count"):
         out[f"ray_{hist}{suffix}"] = {"shard", "transport"} | ({"le"} if suffix == "_bucket" else set())
+    return {**out, **router_series()}
+
+
+def router_series() -> dict[str, set[str]]:
+    """The router's own series (`kvpool route`'s /metrics, prometheus_client's names), with labels."""
+    from kvpool.connectors.route.figures import Figures
+
+    out = {}
+    for m in vars(Figures()).values():
+        kind = getattr(m, "_type", None)
+        if kind is None:
+            continue
+        labels = set(m._labelnames)
+        if kind == "counter":
+            out[f"{m._name}_total"] = labels
+        elif kind == "histogram":
+            out.update({f"{m._name}_bucket": labels | {"le"}, f"{m._name}_sum": labels, f"{m._name}_count": labels})
+        else:
+            out[m._name] = labels
     return out
 
 
@@ -1051,7 +1071,7 @@ def test_dashboard_uses_only_exported_metrics_and_labels():
     assert len(exprs) >= 15
     used = set()
     for title, expr in exprs:
-        names = set(re.findall(r"\b(ray_kvpool_[a-z_]+)\b", expr))
+        names = set(re.findall(r"\b((?:ray_kvpool|kvpool_route)_[a-z_]+)\b", expr))
         assert names, f"{title}: {expr}"
         unknown = names - set(series)
         assert not unknown, f"panel {title!r} reads {unknown}, which kvpool does not export"
@@ -1069,7 +1089,10 @@ def test_dashboard_uses_only_exported_metrics_and_labels():
     # 429s, cancellations, get latency.
     need = {"ray_kvpool_hits_chunks_total", "ray_kvpool_misses_chunks_total", "ray_kvpool_evictions_total",
             "ray_kvpool_pages_total", "ray_kvpool_chunks", "ray_kvpool_tenant_bytes", "ray_kvpool_rejected_quota_total",
-            "ray_kvpool_cancelled_requests_total", "ray_kvpool_get_latency_ms_bucket"}
+            "ray_kvpool_cancelled_requests_total", "ray_kvpool_get_latency_ms_bucket",
+            # and the router's: where requests went (by outcome, by the tier expected), TTFT, instances
+            "kvpool_route_requests_total", "kvpool_route_prompt_tokens_total", "kvpool_route_ttft_seconds_bucket",
+            "kvpool_route_instance_up"}
     assert need <= used, need - used
     by_title = {}
     for t, e in exprs:
@@ -1091,7 +1114,9 @@ def test_dashboard_is_well_formed():
         assert g["x"] + g["w"] <= 24, p["title"]
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${datasource}"
-            assert 'shard=~"$shard"' in t["expr"] and 'ray_io_cluster=~"$cluster"' in t["expr"], t["expr"]
+            assert 'ray_io_cluster=~"$cluster"' in t["expr"], t["expr"]
+            # the router is no shard's: its series carry the cluster (its monitor's relabeling) only
+            assert ('shard=~"$shard"' in t["expr"]) is ("kvpool_route_" not in t["expr"]), t["expr"]
     cells = set()
     for p in dash["panels"]:
         g = p["gridPos"]
@@ -1125,3 +1150,64 @@ def test_get_helm_is_idempotent_and_fails_clearly(tmp_path):
     r = subprocess.run(["bash", str(script)], env={**os.environ, "VENV": str(venv)}, capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 0 and "is already helm v3.17.2" in r.stdout, r.stdout + r.stderr
+
+
+# ----------------------------------------------------------------------------- the router
+
+
+def test_the_router_runs_the_real_cli_beside_a_shard_with_its_credentials(tmp_path):
+    """`kvpool route` with flags the CLI has and a --config the connectors' check takes, on a node
+    of the pool (its run dir, the Ray pods' user), its credentials 0400, scraped with its cluster."""
+    from kvpool.cli import build_parser
+    from kvpool.connectors.route.fleet import InstanceSpec
+    from kvpool.connectors.route.main import read_config
+    from kvpool.connectors.vllm_config import split_config
+
+    vals = values_of("ci/full-values.yaml")
+    docs = render("ci/full-values.yaml")
+    dep = one(docs, "Deployment", "-router")
+    pod = dep["spec"]["template"]
+    spec = pod["spec"]
+    (c,) = spec["containers"]
+    args = build_parser().parse_args(["route", *c["args"]])
+    r = vals["router"]
+    assert c["command"] == ["kvpool", "route"] and args.func.__name__ == "_route"
+    assert (args.host, args.port, args.policy, args.model, args.dtype) == ("0.0.0.0", 8000, "tier-aware",
+                                                                            r["model"], r["dtype"])
+    assert [InstanceSpec.parse(i) for i in args.instance] == [InstanceSpec(i["url"], i.get("shard", ""))
+                                                               for i in r["instances"]]
+    cfg, own = split_config(read_config(args.config))
+    assert cfg["backend"] == "node" and cfg["tenants"] == ["default", "team-a"] and own == {}
+    assert cfg["chunk_tokens"] == vals["pool"]["chunkTokens"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert os.path.dirname(cfg["credentials_file"]) == mounts["credentials"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["credentials"]["secret"] == {"secretName": "kvpool-router-credentials", "defaultMode": 0o400,
+                                             "items": [{"key": "credentials.json", "path": "credentials.json"}]}
+    assert vols["run-dir"]["hostPath"]["path"] == vals["node"]["hostPath"] and mounts["run-dir"] == vals["node"]["runDir"]
+    assert {"name": "KVPOOL_RUN_DIR", "value": vals["node"]["runDir"]} in c["env"]
+    assert spec["securityContext"]["runAsUser"] == vals["ray"]["podSecurityContext"]["runAsUser"]
+    term = spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "ray-worker"
+    svc = one(docs, "Service", "-router")
+    assert labels_match(svc["spec"]["selector"], pod["metadata"]["labels"]) and svc["spec"]["type"] == "LoadBalancer"
+    mon = one(docs, "PodMonitor", "-router")
+    assert labels_match(mon["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    (ep,) = mon["spec"]["podMetricsEndpoints"]
+    assert (ep["port"], ep["path"]) == ("http", "/metrics")
+    assert ep["relabelings"][0]["targetLabel"] == "ray_io_cluster"
+    assert pod["metadata"]["labels"]["kvpool.io/cluster"] == fullname("ci/full-values.yaml")
+    assert not [d for d in render() if d["kind"] == "Deployment"]  # off by default
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--set", "router.enabled=true,router.credentialsSecret=c"), "router.instances: name at least one vLLM server"),
+    (("--set", "router.enabled=true,router.instances[0].url=http://v:8000"), "router.credentialsSecret: a Secret"),
+    (("--set", "router.enabled=true,router.instances[0].url=http://v:8000,router.credentialsSecret=c,"
+      "node.enabled=false"), "router.enabled needs node.enabled"),
+    (("--set", "router.instances[0].url=v:8000"), "router.instances.0.url: Does not match pattern"),
+    (("--set", "router.policy=random"), "router.policy: router.policy must be one of the following"),
+])
+def test_bad_router_values_are_refused_with_the_fix(extra, message):
+    err = render_error(*extra)
+    assert message in err, err
