@@ -268,3 +268,17 @@ def test_a_new_subscription_replays_what_the_instance_still_holds():
             pub.close(linger=0)
 
     asyncio.run(main())
+
+
+def test_a_lookup_the_node_cannot_answer_says_so(tmp_path):
+    """No shard answers (it died, or never started): the lookup is a miss that says why, so that a
+    router routes that request by load instead of reading "nothing cached anywhere"."""
+    from kvpool.keys import ChunkKey
+    from kvpool.node.client import NodeClient
+
+    c = NodeClient(pool="default", directory=str(tmp_path), timeout_s=0.5)
+    try:
+        hit = c.lookup("a", [ChunkKey(b"k" * 16)])
+    finally:
+        c.close()
+    assert hit.count == 0 and hit.error and "503" in hit.error

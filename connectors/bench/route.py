@@ -214,7 +214,12 @@ def _run(shape: dict, progress: bool) -> dict[str, Any]:
                   f"round-robin {r['round-robin']['ttft_median_s']:.3f} s; same-node tokens "
                   f"{r['tier-aware']['same_node_share']:.0%} vs {r['round-robin']['same_node_share']:.0%}; "
                   f"answers {'equal' if r['same_answers'] else 'DIFFER'}", progress)
-        return summarize(shape, rows, bed.shards)
+        import urllib.request
+
+        out = summarize(shape, rows, bed.shards)
+        out["router_costs"] = {arm: json.loads(urllib.request.urlopen(r.url + "/kvpool/route", timeout=10).read())["cost"]
+                               for arm, r in bed.routers.items()}  # what each router measured (kvpool route's costs.py)
+        return out
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # NOTE: a second signal must not cut the teardown short
             signal.signal(sig, signal.SIG_IGN)

@@ -15,6 +15,7 @@ engine's only costs locality: the engines key what they load themselves.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 log = logging.getLogger("kvpool.route")
@@ -31,6 +32,7 @@ class Prompts:
         self.path = tokenizer
         self._tok: Any = None
         self._failed = tokenizer is None
+        self._lock = threading.Lock()  # NOTE: one tokenizer, called from the router's planning threads
 
     def _tokenizer(self):
         if self._tok is None and not self._failed:
@@ -46,19 +48,23 @@ class Prompts:
 
     def tokens(self, path: str, body: dict) -> list[int] | None:
         try:
-            if path.endswith("/chat/completions"):
-                return self._chat(body)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-                prompt = prompt[0]  # a batch: its first prompt
-            if isinstance(prompt, str):
-                tok = self._tokenizer()
-                return None if tok is None else list(tok.encode(prompt, add_special_tokens=bool(
-                    body.get("add_special_tokens", True))))
-            return _ids(prompt)
+            with self._lock:
+                return self._tokens(path, body)
         except Exception as e:  # noqa: BLE001 - whatever the body holds, the engine judges it; we route on load
             log.debug("kvpool route: cannot read the prompt's tokens (%s)", e)
             return None
+
+    def _tokens(self, path: str, body: dict) -> list[int] | None:
+        if path.endswith("/chat/completions"):
+            return self._chat(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]  # a batch: its first prompt
+        if isinstance(prompt, str):
+            tok = self._tokenizer()
+            return None if tok is None else list(tok.encode(prompt, add_special_tokens=bool(
+                body.get("add_special_tokens", True))))
+        return _ids(prompt)
 
     def _chat(self, body: dict) -> list[int] | None:
         messages = body.get("messages")

@@ -64,6 +64,7 @@ class RouteService:
         self._ids = itertools.count()
         self._mean_s = 0.0  # expected seconds of a routed request (EWMA): what a queued one of others' costs
         self.session: aiohttp.ClientSession | None = None
+        self._seen = [0, 0, 0]  # cached tokens expected, cached tokens the engines reported, answers (non-streamed)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY)
@@ -221,8 +222,21 @@ class RouteService:
                 cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             except (ValueError, TypeError, AttributeError):
                 return
-            f.predicted.inc(tiers["gpu"] + tiers["node"] + tiers["remote"])
+            expected = tiers["gpu"] + tiers["node"] + tiers["remote"]
+            f.predicted.inc(expected)
             f.engine_cached.inc(cached)
+            self._check_keys(expected, cached)
+
+    def _check_keys(self, expected: int, cached: int) -> None:
+        """Says once when the engines keep finding cached tokens the router never expects: its keys
+        are not theirs (another --model path, --dtype or config), so it routes blind to the pool."""
+        self._seen[0] += expected
+        self._seen[1] += cached
+        self._seen[2] += 1
+        if self._seen[2] == 50 and self._seen[0] == 0 and self._seen[1] > 0:
+            log.warning("kvpool route: in 50 answers the engines reported %d cached prompt tokens and the router "
+                        "expected none: its keys are not the engines'. Give --model exactly as vllm serve was given "
+                        "it, the same --dtype and the engines' --config", self._seen[1])
 
     async def models(self, request: web.Request) -> web.Response:
         for u in self.fleet.instances:

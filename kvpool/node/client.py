@@ -32,7 +32,7 @@ from kvpool.auth import CREDENTIAL_ENV, claimed_tenant, scope_tag, scoped
 from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
 from kvpool.errors import ChunkTooLarge, KvPoolError, Unavailable
-from kvpool.index.base import MISS, PrefixHit
+from kvpool.index.base import PrefixHit
 from kvpool.keys import ChunkKey, is_shared
 from kvpool.node import messages as m
 from kvpool.node.attach import Attached as _Attached
@@ -98,7 +98,8 @@ class NodeClient(NodeConnection):
     def lookup(self, credential: str, keys: Sequence[ChunkKey]) -> PrefixHit:
         """The leading run of ``keys`` held in the pool: this node's table first (no call when it
         holds them all), then the pool's index through the shard; a run longer than one call takes
-        (``BATCH`` keys) is asked batch by batch while it lasts."""
+        (``BATCH`` keys) is asked batch by batch while it lasts. ``error`` says when the shard or the
+        index did not answer (the run is then what was found without them)."""
         if len(keys) > BATCH:
             count, shards = 0, ()
             for i in range(0, len(keys), BATCH):
@@ -117,11 +118,11 @@ class NodeClient(NodeConnection):
         except KvPoolError as e:
             if e.status in RAISED:
                 raise
-            return PrefixHit(local, (sid,) * local, error=str(e)) if local else MISS
-        count = int(r["count"])
+            return PrefixHit(local, (sid,) * local, error=str(e) or type(e).__name__)
+        count, error = int(r["count"]), r.get("error")  # error: the pool's index did not answer the shard
         if count <= local:
-            return PrefixHit(local, (sid,) * local)
-        return PrefixHit(count, (sid,) * local + tuple(r["shards"][local:count]))
+            return PrefixHit(local, (sid,) * local, error=error)
+        return PrefixHit(count, (sid,) * local + tuple(r["shards"][local:count]), error=error)
 
     def begin(self, credential: str, keys: Sequence[ChunkKey], priority: str | None = None,
               hit: PrefixHit | None = None) -> NodeRequest:

@@ -1,17 +1,19 @@
 """The README's quickstart, run as written: `kvpool up`, vLLM's own server (`vllm serve`) with the
 connector from `kvpool connect vllm`, HTTP requests, a restart, a second server, `kvpool stats`,
-`kvpool down --stop-ray`.
+`kvpool route` in front of both, `kvpool down --stop-ray`.
 
 The commands come from the README itself (its ```sh blocks between the quickstart markers), run in
 one bash (``set -euo pipefail``) from a scratch folder that links the repository's venvs and
-top-level entries. Only the ports change (free ones for 8000 and 8001); ``$HOME`` is
+top-level entries. Only the ports change (free ones for 8000, 8001 and 8080); ``$HOME`` is
 the scratch folder (the pool secret, the engine's credentials, the record of the Ray head `kvpool up`
 started), and ``$KVPOOL_RUN_DIR`` a folder of its own. Then the answers are checked:
 
 - the restarted server's answer loads the prompt's whole chunks from the pool and is vLLM's own
   hit's answer, token for token and log-prob for log-prob, and the cold answer's tokens;
 - the second server's answer is the same, from the chunks the first one saved;
-- vLLM's metrics count the pool's tokens (``source="host"``) and `kvpool stats` shows the hits.
+- vLLM's metrics count the pool's tokens (``source="host"``) and `kvpool stats` shows the hits;
+- the router, tokenizing the text prompt with the model's tokenizer and keying it with the engines'
+  spec, expects the prompt's whole chunks from the pool, and its answer is the others'.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def run(tmp_path_factory):
     for name in os.listdir(REPO):
         if name in (".venv", ".venv-engines") or not name.startswith("."):
             os.symlink(os.path.join(REPO, name), work / name)
-    ports = {"8000": str(free_port()), "8001": str(free_port())}
+    ports = {"8000": str(free_port()), "8001": str(free_port()), "8080": str(free_port())}
     steps = []
     for i, block in enumerate(quickstart_blocks(open(README).read()), 1):
         for old, new in ports.items():
@@ -130,7 +132,8 @@ def run(tmp_path_factory):
     assert proc.returncode == 0 and MARK.format("end") in out, logs()
     parts = re.split(r"@@quickstart step (\w+)@@\n", out)
     step_out = {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
-    answers = {name: json.loads((work / f"{name}.json").read_text()) for name in ("cold", "hit", "pool", "second", "acme")}
+    answers = {name: json.loads((work / f"{name}.json").read_text())
+               for name in ("cold", "hit", "pool", "second", "acme", "routed")}
     return step_out, answers, logs
 
 
@@ -181,6 +184,16 @@ def test_the_hit_shows_in_vllms_metrics_and_kvpool_stats(run):
     assert any(n >= 1 and t >= cached(a["pool"]) for n, t in loads), out
 
 
+def test_the_router_finds_the_prompts_chunks_and_answers_the_same(run):
+    steps, a, logs = run
+    whole = a["cold"]["usage"]["prompt_tokens"] // CHUNK * CHUNK
+    tiers = dict(kv.split("=") for kv in re.search(r"^x-kvpool-tiers: (\S+)", steps["6"], re.M | re.I)[1].split(","))
+    # the text prompt tokenized as vLLM does (the miss is the rest of the prompt) and keyed as its connector does
+    assert int(tiers["node"]) == whole and int(tiers["miss"]) == a["cold"]["usage"]["prompt_tokens"] - whole, steps["6"]
+    assert re.search(r"^x-kvpool-instance: http://127\.0\.0\.1:\d+", steps["6"], re.M | re.I), steps["6"]
+    assert tokens_and_logprobs(a["routed"]) == tokens_and_logprobs(a["hit"]), logs()
+
+
 def test_the_pool_and_its_ray_are_gone(run):
     steps, _, _ = run
-    assert "kvpool is down" in steps["6"], steps["6"]
+    assert "kvpool is down" in steps["7"], steps["7"]
