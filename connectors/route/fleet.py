@@ -3,8 +3,8 @@
 Each instance is a vLLM OpenAI server, named by its URL, on a node whose pool shard is ``shard``
 (``--instance URL,shard=ID``; without one, the shard of the router's own node). Every
 ``health_s`` the router asks each instance ``/health`` and ``/metrics`` (requests running and
-waiting), with a deadline of ``health_s``: an instance that does not answer, or that refused a
-forwarded request, is down (no request is sent to it) until it answers again; its GPU cache view
+waiting), each within two intervals (at least 2 s): an instance whose ``/health`` fails, or that
+refused a forwarded request, is down (no request is sent to it) until it answers again; its GPU cache view
 is dropped and rebuilt from its events once it is back. An instance that comes up is asked where
 its KV events are published (:mod:`kvpool.connectors.route.events`); without them its GPU cache is
 unknown (the pool's tiers and the load still route it).
@@ -85,6 +85,7 @@ class Fleet:
         if health_s <= 0:
             raise BadRequest(f"--health-interval {health_s}: a positive number of seconds")
         self.health_s = health_s
+        self.deadline_s = max(2.0, 2 * health_s)  # NOTE: a loaded server answers late, not never
         self.instances = [Upstream(s if s.shard else InstanceSpec(s.url, default_shard, s.events), GpuView(tenant_of))
                           for s in specs]
         self.adapters: set[str] = set()  # served LoRA adapters (their chunks are keyed by adapter)
@@ -117,17 +118,20 @@ class Fleet:
         """One health check: /health, then /metrics; down on any failure."""
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=self.health_s)
+        timeout = aiohttp.ClientTimeout(total=self.deadline_s)
         ours, sent = len(u.inflight), u.sent  # what of its queue may be this router's (below)
         try:
             async with self.session.get(u.spec.url + "/health", timeout=timeout) as r:
                 if r.status != 200:
                     raise OSError(f"/health answered {r.status}")
-            async with self.session.get(u.spec.url + "/metrics", timeout=timeout) as r:
-                text = await r.read() if r.status == 200 else b""
         except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as e:
             self.mark_down(u, f"health check: {e or type(e).__name__}")
             return
+        try:
+            async with self.session.get(u.spec.url + "/metrics", timeout=timeout) as r:
+                text = await r.read() if r.status == 200 else b""
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError):
+            text = b""  # its load unknown this time (its own requests are counted): still up
         # NOTE: vLLM's queue gauges are its last step's (requests that ended in it included) and keep
         # those values while it idles. So others' requests are its queue less every request of this
         # router's that was on it at some time while it answered (in flight, or sent since), taken
@@ -136,7 +140,7 @@ class Fleet:
         # requests are always counted; a step longer than the health interval is missed).
         steps = sum(float(m[1]) for m in _STEPS.finditer(text))
         queued = int(sum(float(m[2]) for m in _QUEUE.finditer(text)))
-        fresh = 0 if steps == u.steps else max(0, queued - ours - (u.sent - sent))
+        fresh = 0 if steps == u.steps or not text else max(0, queued - ours - (u.sent - sent))
         u.others, u.steps, u.fresh = min(fresh, u.fresh), steps, fresh
         if not u.up:
             u.up, u.why_down = True, ""
@@ -163,7 +167,7 @@ class Fleet:
         import aiohttp
 
         try:
-            async with self.session.get(u.spec.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.health_s)) as r:
+            async with self.session.get(u.spec.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.deadline_s)) as r:
                 data = (await r.json()).get("data") or [] if r.status == 200 else []
         except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
             return
@@ -179,7 +183,7 @@ class Fleet:
         else:
             try:
                 async with self.session.get(u.spec.url + "/kv_event_sources",
-                                            timeout=aiohttp.ClientTimeout(total=self.health_s)) as r:
+                                            timeout=aiohttp.ClientTimeout(total=self.deadline_s)) as r:
                     sources = await r.json() if r.status == 200 else {}
             except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError):
                 sources = {}
