@@ -92,9 +92,11 @@ class Router:
 
     The two prefix policies route under a bound on load: an instance whose share of the work
     recently sent (its expected seconds, decayed over the last ~``memory`` requests per instance)
-    is above ``balance`` times the mean is passed over, so that a popular prefix cannot pile its
-    whole conversation tree onto the instances that hold it (as consistent hashing with bounded
-    loads does for keys; SGLang's cache-aware router falls back to the shortest queue alike)."""
+    is above ``balance`` times the mean plus one mean request (``mean_s``) is passed over, so that
+    a popular prefix cannot pile its whole conversation tree onto the instances that hold it (as
+    consistent hashing with bounded loads does for keys; SGLang's cache-aware router falls back to
+    the shortest queue alike). Equal
+    expectations go to the more local copy, then to the instance sent the least work lately."""
 
     def __init__(self, policy: str, cost: CostModel, balance: float = 1.25, memory: int = 64) -> None:
         if policy not in POLICIES:
@@ -104,14 +106,14 @@ class Router:
         self.policy, self.cost, self.balance, self.memory = policy, cost, balance, memory
         self._next = 0
         self.sent: list[float] = []  # recent expected work routed to each instance, seconds
-        self._mean, self._routed = 0.0, 0  # a routed request's expected work (a moving mean), how many routed
+        self.mean_s, self._routed = 0.0, 0  # a routed request's expected work (a moving mean), how many routed
 
     def choose(self, instances: Sequence[Instance], tokens: Sequence[dict[str, int]],
                usable: Sequence[bool] | None = None) -> int:
         """The index of the instance to send the request to; ``tokens[i]``: its tokens by tier on
         instance i (:func:`tiers`); ``usable[i]`` False: instance i is down or already failed this
-        request (its balance memory is kept for when it is back). Ties go to the lowest index
-        (least-loaded: in turn)."""
+        request (its balance memory is kept for when it is back). Round-robin and least-loaded take
+        instances (least-loaded: its ties) in turn."""
         n = len(instances)
         if not instances or len(tokens) != n or (usable is not None and len(usable) != n):
             raise BadRequest(f"route: {n} instances and {len(tokens)} tier counts; need one per instance")
@@ -133,7 +135,7 @@ class Router:
         # NOTE: the bound leaves room for one request more than ``balance`` times the mean (a mean
         # request's expected work): with few instances or few requests sent yet, one cold prefill
         # must not push a conversation off the instance that holds it
-        cap = self.balance * sum(self.sent[i] for i in ok) / len(ok) + self._mean
+        cap = self.balance * sum(self.sent[i] for i in ok) / len(ok) + self.mean_s
         allowed = [i for i in ok if self.sent[i] <= cap] or ok
         expect = [self.cost.seconds(view(tokens[i])) for i in allowed]
         # NOTE: an equal expectation goes to the more local copy (a GPU hit, then the node's shard: a
@@ -146,6 +148,6 @@ class Router:
         keep = 1 - 1 / (self.memory * n)
         self.sent = [x * keep for x in self.sent]
         self.sent[allowed[k]] += expect[k]
-        self._mean += (expect[k] - self._mean) / min(self._routed + 1, self.memory)
+        self.mean_s += (expect[k] - self.mean_s) / min(self._routed + 1, self.memory)
         self._routed += 1
         return allowed[k]

@@ -12,14 +12,11 @@ tenant's decision reads only its own prefixes. An index that does not answer lea
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from kvpool.connectors.route.gpu import GpuView, block_chain
 from kvpool.connectors.route.prompts import Prompts
 from kvpool.routing import TIERS
-
-log = logging.getLogger("kvpool.route")
 
 
 @dataclass
