@@ -216,7 +216,7 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None, slicing: Slici
             if store is None:
                 page = page_bytes(spec, [t.storage_format for t in tenants])  # quantized, in a lossy format
                 pages = max(1, (cfg["dram_mib"] << 20) // page)
-                store = ChunkStore(StoreConfig(page, pages, policy=cfg.get("policy", "adaptive"),
+                store = ChunkStore(StoreConfig(page, pages, policy=cfg.get("policy", "default"),
                                                storage_format=spec.storage_format), TenantRegistry(tenants))
                 _local_stores[cfg["pool"]] = store
             else:

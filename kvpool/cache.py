@@ -87,7 +87,7 @@ class TieredCache:
         leased (its bytes are not in place yet); the caller releases it when they are."""
         assert key not in self.index, key
         policy = self.policies[0]
-        if admit and not policy.admit(position, access):
+        if admit and not policy.admit(position, access, parent, key):
             self.counts["not_admitted"] += 1
             return None
         res = self.res
@@ -175,7 +175,7 @@ class TieredCache:
                         break
                     leases[n] -= 1  # written; the prefix rule holds it from now on
                 else:
-                    kept = keep and admit(pos, access)
+                    kept = keep and admit(pos, access, parent, key)
                     n = insert(key, parent, pos, access, raise_full=True, admit=False)
                     assert n is not None
                     if not kept:

@@ -28,13 +28,20 @@ def _demo(args: argparse.Namespace) -> int:
 def _sim(args: argparse.Namespace) -> int:
     from kvpool.sim import run
 
-    source, reqs = run.load(args.trace, args.workload, args.requests, args.seed)
+    source, reqs = run.load(args.trace, args.workload, args.requests, args.seed, args.merge_blocks)
     if args.instances:  # routing policies over clusters of engine instances
         from kvpool.sim import routes as shown
 
         rows = shown.run(reqs, source, shown.parse_instances(args.instances), per_node=args.per_node,
                          gpu_blocks=args.gpu_blocks, node_blocks=args.node_blocks, utilization=args.utilization,
                          progress=not args.json)
+    elif args.explain:
+        from kvpool.sim import gap as shown
+
+        policies, caps = run.parse_policies(args.policy), run.parse_capacities(args.capacity)
+        if len(policies) != 1:
+            raise BadRequest("--explain compares one policy with Belady: give --policy NAME (e.g. default)")
+        rows = [row for cap in caps for row in shown.explain(reqs, policies[0], cap)]
     else:
         shown = run
         rows = run.simulate(reqs, source, run.parse_policies(args.policy), run.parse_capacities(args.capacity),
@@ -234,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="all", help="a name, a comma-separated list, 'default' or 'all'")
     s.add_argument("--requests", type=int, help="use only the first N requests (or generate N)")
     s.add_argument("--seed", type=int, default=0, help="seed of a generated workload")
+    s.add_argument("--merge-blocks", type=int, default=1, metavar="N", help="replay in chunks of N 512-token blocks "
+                   "(2: 1024-token chunks; capacities are then in those chunks)")
     s.add_argument("--no-belady", action="store_true", help="skip the offline optimum")
+    s.add_argument("--explain", action="store_true", help="break down where --policy (one) loses to Belady: by depth, "
+                   "what it held, time since last use, turn, turn gap, reuse count")
     s.add_argument("--json", action="store_true", help="rows as JSON")
     s.add_argument("--plot", metavar="FILE", help="write a PNG of hit rate vs capacity (or TTFT and locality vs instances)")
     s.add_argument("--instances", help="routing: engine instances per cluster, comma-separated (e.g. 8,32,128)")

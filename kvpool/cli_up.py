@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvpool.errors import BadRequest
-from kvpool.policies import describe_policies
+from kvpool.policies import DEFAULT_POLICY, describe_policies
 from kvpool.sizing import DEFAULT_DRAM, DEFAULT_PAGE, MAX_SHARE_PERCENT, MIN_PAGES, mib, parse_size, parse_tier
 from kvpool.spec import DTYPE_BYTES, STORAGE_FORMATS
 
@@ -56,7 +56,7 @@ def add_up_parser(sub, func) -> None:
                       "(50%%); sparse until written")
     disk.add_argument("--disk-pages", type=int, help="disk tier per shard in pages (instead of --disk)")
     u.add_argument("--policy", default="default",
-                   help=f"eviction policy of every shard (default: adaptive). {describe_policies()}")
+                   help=f"eviction policy of every shard (default: {DEFAULT_POLICY}). {describe_policies()}")
     u.add_argument("--tenant", action="append", default=[],
                    help="a tenant to serve, id[:quota[:priority]] (repeat); a known tenant keeps its quota unless given")
     u.add_argument("--secret-file", help="the pool secret (made here if missing; default: $KVPOOL_SECRET_FILE, "

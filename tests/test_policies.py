@@ -3,13 +3,19 @@
 Requests are lists of block ids (a chain: each id's parent is the id before it), served the way
 the simulator serves them (kvpool.cache.TieredCache.serve)."""
 
+import numpy as np
 import pytest
 
 from kvpool import BadRequest
 from kvpool.cache import CacheHooks, TieredCache
-from kvpool.policies import Access, make_policy, policy_names, registry
+from kvpool.keys import ChunkKey
+from kvpool.policies import Access, make_policy, policy_class, policy_names, registry
+from kvpool.policies.density import DensityPolicy
 from kvpool.sim.replay import replay
+from kvpool.sim.trace import SimRequest
 from kvpool.sim.workloads import generate
+from kvpool.store import ChunkStore, StoreConfig
+from kvpool.tenants import Tenant, TenantRegistry
 
 
 class Recorder(CacheHooks):
@@ -236,8 +242,107 @@ def test_sim_reproduces_published_lru_and_belady_shapes_on_a_generated_workload(
     assert ours >= lru
 
 
-def test_the_pools_default_is_our_adaptive_policy():
-    from kvpool.policies import policy_class
+# ---------------------------------------------------------------- density (the default)
+
+
+def test_the_pools_default_stays_adaptive_while_density_can_lose_to_lru():
+    """density loses to LRU by up to 3% on some generated workloads (docs/eviction.md): the rule
+    is that a default never does."""
     from kvpool.policies.adaptive import AdaptivePolicy
 
     assert policy_class("default") is AdaptivePolicy
+    assert policy_class("density") is DensityPolicy
+
+
+def test_without_data_it_evicts_like_lru():
+    cache, rec = make("density", 3)
+    req = Driver(cache)
+    req(1, 2)
+    req(3)
+    req(1)
+    req(4)
+    req(5)
+    req(6)
+    assert rec.dropped_keys == [2, 3, 1]
+    assert resident(cache) == [4, 5, 6]
+
+
+def test_a_prompts_trailing_partial_chunk_is_not_stored():
+    cache, _ = make("density", 8)
+    req = Driver(cache)
+    req(1, 2, 3, full=2)
+    assert resident(cache) == [1, 2]
+
+
+def _conversations_and_one_shots(n: int) -> list[SimRequest]:
+    """Conversations that come back three times, 30 requests apart, interleaved with one-shot
+    prompts, all under one shared system prompt (block 0). An LRU of 300 blocks holds ~14 steps:
+    it loses every return. A conversation that came back once comes back again; one-shots never
+    do: a policy that learns that keeps the later returns."""
+    out = []
+    for i in range(n):
+        out.append(SimRequest(float(i), (0, 10_000 + i, 20_000 + i), 3 * 512))
+        for k in (1, 2, 3):
+            j = i - 30 * k
+            if j >= 0:
+                extra = tuple(30_000 + 4 * j + m for m in range(k))
+                out.append(SimRequest(float(i), (0, 10_000 + j, 20_000 + j) + extra, (3 + k) * 512))
+        out.append(SimRequest(float(i), (0, 100_000 + 3 * i, 100_001 + 3 * i, 100_002 + 3 * i), 4 * 512))
+    return out
+
+
+def test_it_learns_what_comes_back_and_beats_lru():
+    trace = _conversations_and_one_shots(1500)
+    lru = replay(trace, "lru", 300)
+    ours = replay(trace, "density", 300)
+    assert ours["hit_rate"] > lru["hit_rate"] * 1.3, (ours["hit_rate"], lru["hit_rate"])
+    assert ours["policy_stats"]["declined_requests"] > 0  # admission control at work
+
+
+def test_an_evicted_chunk_that_comes_back_is_a_use_at_its_true_age():
+    cache, _ = make("density", 2)
+    pol = cache.policies[0]
+    req = Driver(cache)
+    req(1)
+    for k in range(2, 12):  # 1 leaves; its ghost stays
+        req(k)
+    assert 1 not in cache.index and 1 in pol.ghost
+    before = [sum(h) for h in pol.hits]
+    req(1)
+    node = cache.index[1]
+    assert pol.count[node] == 1  # it was used once before
+    grew = [c for c in range(len(before)) if sum(pol.hits[c]) > before[c]]
+    assert len(grew) == 1
+    age_bucket = max(a for a, v in enumerate(pol.hits[grew[0]]) if v)
+    assert age_bucket >= 10 // pol.width - 1  # recorded at ~10 blocks of age, not 0
+
+
+def test_in_the_store_on_two_tiers(tmp_path):
+    """The store's own calls (put, get) under density on DRAM and disk: demotions, promotions."""
+    store = ChunkStore(StoreConfig(64, 6, policy="density", disk_pages=6, disk_dir=str(tmp_path)),
+                       TenantRegistry([Tenant("a")]))
+    try:
+        keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(40)]
+        data = [np.full(64, i, dtype=np.uint8) for i in range(40)]
+        for start in range(0, 40, 4):
+            ks = keys[start:start + 4]
+            store.put_many(ks, data[start:start + 4], "a")
+            got = store.get_many(ks[:2], "a")
+            assert all(g is not None and g[0] == start + i for i, g in enumerate(got))
+        held = [k for k in keys if store.get_many([k], "a")[0] is not None]
+        assert 0 < len(held) <= 12
+        for k in held:
+            assert store.get_many([k], "a")[0][0] == keys.index(k)  # never a wrong chunk
+    finally:
+        store.close()
+
+
+def test_access_without_a_request_id_seen_before():
+    """A read-only touch (the store's get) of chunks stored by other requests counts as uses."""
+    cache, _ = make("density", 4)
+    pol = cache.policies[0]
+    req = Driver(cache)
+    req(1, 2)
+    n1, n2 = cache.index[1], cache.index[2]
+    cache.access([n1, n2], Access(99, 1.0, 2, 2, 2))
+    assert pol.count[n1] == pol.count[n2] == 1

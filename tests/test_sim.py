@@ -30,11 +30,14 @@ def test_lru_and_belady_match_the_published_figures(mooncake):
         assert belady(mooncake, cap)["hit_rate"] == pytest.approx(belady_want, abs=1e-3)
 
 
-def test_default_policy_meets_its_targets_on_the_conversation_trace(mooncake):
-    for cap, factor in ((1000, 1.0), (4000, 1.2), (16000, 1.0)):
+def test_density_meets_its_targets_on_the_conversation_trace(mooncake):
+    """Never below LRU; at 4k blocks 1.6x LRU and 45% of Belady (the measured 46%; 50% is the goal)."""
+    for cap, factor in ((1000, 1.5), (4000, 1.6), (16000, 1.0)):
         lru = replay(mooncake, "lru", cap)["hit_rate"]
-        ours = replay(mooncake, "adaptive", cap)["hit_rate"]
+        ours = replay(mooncake, "density", cap)["hit_rate"]
         assert ours >= factor * lru, (cap, ours, lru)
+        if cap == 4000:
+            assert ours >= 0.45 * belady(mooncake, cap)["hit_rate"]
 
 
 @pytest.mark.parametrize("workload", ["chat", "rag", "agent", "tenants"])
@@ -42,7 +45,7 @@ def test_default_policy_never_loses_to_lru_on_generated_workloads(workload):
     trace = generate(workload, n_requests=3000, seed=11)
     for cap in (250, 1000, 4000):
         lru = replay(trace, "lru", cap)["hit_rate"]
-        ours = replay(trace, "adaptive", cap)["hit_rate"]
+        ours = replay(trace, "default", cap)["hit_rate"]
         assert ours >= lru - 1e-9, (workload, cap, ours, lru)
 
 
@@ -108,3 +111,16 @@ def test_concurrency_bench_eviction_sustains_more_than_no_eviction():
     assert rows["lru"]["vs_no_eviction"] == rows["lru"]["max_concurrency"] / rows["reject"]["max_concurrency"]
     # the lower tiers keep what HBM cannot: more reuse at the same concurrency bound
     assert rows["tiered-memory"]["token_hit_rate"] > rows["lru"]["token_hit_rate"]
+
+
+def test_merged_blocks_keep_the_chain_and_the_partial_tail():
+    from kvpool.sim.trace import SimRequest, merge_blocks
+
+    a = SimRequest(0.0, (1, 2, 3), 1300)
+    b = SimRequest(1.0, (1, 2, 4, 5), 2000)
+    ma, mb = merge_blocks([a, b], 2)
+    assert ma.blocks == (2, 3) and mb.blocks == (2, 5)  # the first 1024 tokens are one shared chunk
+    assert (ma.full_blocks, mb.full_blocks) == (1, 1)  # 1300 and 2000 tokens hold one whole 1024-token chunk
+    assert ma.block_tokens(1) == 276
+    merged = replay(merge_blocks([a, b, a], 2), "lru", 8)
+    assert merged["hit_rate"] == (0 + 1 + 2) / (2 + 2 + 2)  # b hits the shared chunk, a's repeat both of its

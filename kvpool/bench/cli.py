@@ -16,7 +16,7 @@ from kvpool.spec import STORAGE_FORMATS
 def _bench_store(args: argparse.Namespace) -> int:
     from kvpool.bench import store
 
-    result = store.run(chunks=args.chunks, trials=args.trials, progress=not args.json)
+    result = store.run(chunks=args.chunks, trials=args.trials, progress=not args.json, policy_rounds=args.policy_rounds)
     show(args, result, store.format_table)
     return 0
 
@@ -161,6 +161,8 @@ def add_bench_parser(sub) -> None:
     bs = bsub.add_parser("store", help="key hashing and chunk-store put/get vs a plain copy")
     bs.add_argument("--chunks", type=int, default=8, help="chunks per trial (32 MiB each)")
     bs.add_argument("--trials", type=int, default=7)
+    bs.add_argument("--policy-rounds", type=int, default=3, help="rounds of the eviction policies' cost per access "
+                    "vs LRU (0: skip)")
     bs.set_defaults(func=_bench_store)
     bl = bsub.add_parser("slices", help="a TP rank's load from per-head slices vs per-rank slices, side by side")
     for flag, kw in (("--chunks", dict(type=int, default=8, help="chunks per load (8 MiB each)")),

@@ -1,4 +1,5 @@
-"""``kvpool bench store``: key hashing and chunk-store put/get against a plain copy, same run.
+"""``kvpool bench store``: key hashing and chunk-store put/get against a plain copy, and each
+eviction policy's cost per access against LRU's (kvpool.bench.policy_cost), same run.
 
 Each trial times, back to back on the same bytes: a numpy copy, a torch copy (which uses every
 intra-op thread), the store's put (copy in + xxh3-64), get (copy out + verify) and zero-copy read
@@ -14,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from kvpool.bench.policy_cost import bench_policy_cost, format_lines
 from kvpool.keys import Namespace, chunk_keys
 from kvpool.progress import Progress
 from kvpool.spec import KVSpec
@@ -125,10 +127,13 @@ def bench_store(spec: KVSpec = LLAMA3_8B, chunks: int = 8, trials: int = 7, prog
     }
 
 
-def run(chunks: int = 8, trials: int = 7, hash_reps: int = 30, progress: bool = True, spec: KVSpec = LLAMA3_8B) -> dict:
+def run(chunks: int = 8, trials: int = 7, hash_reps: int = 30, progress: bool = True, spec: KVSpec = LLAMA3_8B,
+        policy_rounds: int = 3) -> dict:
     out = {"spec": spec.to_dict()}
     out.update(bench_hashing(reps=hash_reps))
     out.update(bench_store(spec, chunks, trials, progress))
+    if policy_rounds:
+        out.update(bench_policy_cost(rounds=policy_rounds, progress=progress))
     return out
 
 
@@ -148,4 +153,6 @@ def format_table(r: dict) -> str:
         f"key hashing: {r['hash_prompt_tokens']} tokens in {r['hash_ms']:.3f} ms "
         f"({r['hash_tokens_per_s'] / 1e6:.0f} M tokens/s); from a Python list {r['hash_from_list_ms']:.2f} ms",
     ]
+    if "policy_cost_blocks" in r:
+        lines += format_lines(r)
     return "\n".join(lines)

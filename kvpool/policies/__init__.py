@@ -18,6 +18,7 @@ _MODULES = (
     "kvpool.policies.adaptive",
     "kvpool.policies.tiered",
     "kvpool.policies.importance",
+    "kvpool.policies.density",
 )
 
 

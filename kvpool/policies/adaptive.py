@@ -44,7 +44,7 @@ class AdaptivePolicy(S3FifoPolicy):
     def small_target(self) -> float:
         return self.target
 
-    def admit(self, position: int, access: Access) -> bool:
+    def admit(self, position: int, access: Access, parent: int, key: object) -> bool:
         return position < access.full_blocks
 
     def on_insert(self, slot: int, position: int, access: Access | None) -> None:

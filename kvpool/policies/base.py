@@ -192,8 +192,9 @@ class Policy(ABC):
             return False
         return not self.drops or res.guard is None or res.guard(slot)
 
-    def admit(self, position: int, access: Access) -> bool:
-        """Whether to store the request's chunk at ``position`` (it was not resident)."""
+    def admit(self, position: int, access: Access, parent: int, key: object) -> bool:
+        """Whether to store the request's chunk at ``position`` (it was not resident), under the
+        resident ``parent`` (NO_PARENT for a root) with ``key``."""
         return True
 
     @abstractmethod

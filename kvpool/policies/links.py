@@ -37,6 +37,17 @@ class SlotLists:
         self.where[slot] = lst
         self.sizes[lst] += 1
 
+    def push_head(self, lst: int, slot: int) -> None:
+        assert self.where[slot] == -1, (slot, self.where[slot])
+        s = self.capacity + lst
+        first = self.next[s]
+        self.next[slot] = first
+        self.prev[slot] = s
+        self.prev[first] = slot
+        self.next[s] = slot
+        self.where[slot] = lst
+        self.sizes[lst] += 1
+
     def remove(self, slot: int) -> int:
         """Unlinks ``slot``; returns the list it was in (-1 if none)."""
         lst = self.where[slot]

@@ -85,10 +85,11 @@ def infinite(trace: list[SimRequest]) -> dict:
     return {"policy": "infinite", "hit_rate": hits / max(total, 1), "token_hit_rate": hit_tok / max(tot_tok, 1)}
 
 
-def belady(trace: list[SimRequest], capacity: int) -> dict:
-    """Offline optimum: evict the block whose next use is furthest away, and do not store a block
-    whose next use is further than every resident one's (or that is never used again). Ties go
-    to the deeper block, so a suffix goes before its prefix."""
+def belady_runs(trace: list[SimRequest], capacity: int) -> list[int]:
+    """Offline optimum: each request's leading run of resident blocks. Evicts the block whose next
+    use is furthest away, and does not store a block whose next use is further than every
+    resident one's (or that is never used again). Ties go to the deeper block, so a suffix goes
+    before its prefix."""
     never = 1 << 62
     next_use: list[list[int]] = [[]] * len(trace)
     last: dict[int, int] = {}
@@ -99,7 +100,7 @@ def belady(trace: list[SimRequest], capacity: int) -> dict:
             last[b] = ri
     resident: dict[int, int] = {}  # block -> its next use
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block), lazily invalidated
-    hits = total = hit_tok = tot_tok = 0
+    runs: list[int] = []
     for ri, req in enumerate(trace):
         blocks = req.blocks
         h = 0
@@ -107,10 +108,7 @@ def belady(trace: list[SimRequest], capacity: int) -> dict:
             if b not in resident:
                 break
             h += 1
-        hits += h
-        total += len(blocks)
-        hit_tok += _tokens(req, h)
-        tot_tok += req.input_tokens
+        runs.append(h)
         nu = next_use[ri]
         for pos, b in enumerate(blocks):
             t = nu[pos]
@@ -132,5 +130,14 @@ def belady(trace: list[SimRequest], capacity: int) -> dict:
             if len(resident) < capacity:
                 resident[b] = t
                 heapq.heappush(heap, (-t, -pos, b))
+    return runs
+
+
+def belady(trace: list[SimRequest], capacity: int) -> dict:
+    runs = belady_runs(trace, capacity)
+    hits = sum(runs)
+    total = sum(len(r.blocks) for r in trace)
+    hit_tok = sum(_tokens(r, h) for r, h in zip(trace, runs))
+    tot_tok = sum(r.input_tokens for r in trace)
     return {"policy": "belady", "capacity": capacity, "hit_rate": hits / max(total, 1),
             "token_hit_rate": hit_tok / max(tot_tok, 1)}

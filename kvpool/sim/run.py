@@ -8,7 +8,7 @@ from kvpool.errors import BadRequest
 from kvpool.policies import DEFAULT_POLICY, policy_names
 from kvpool.sim.parallel import run_all
 from kvpool.sim.replay import belady, infinite, replay
-from kvpool.sim.trace import SimRequest, load_mooncake
+from kvpool.sim.trace import BLOCK_TOKENS, SimRequest, load_mooncake, merge_blocks
 from kvpool.sim.workloads import generate
 
 DEFAULT_TRACE = os.path.join("..", "shared", "data", "mooncake", "conversation_trace.jsonl")
@@ -39,13 +39,18 @@ def parse_policies(text: str) -> list[str]:
     return out
 
 
-def load(trace: str | None, workload: str | None, requests: int | None, seed: int) -> tuple[str, list[SimRequest]]:
+def load(trace: str | None, workload: str | None, requests: int | None, seed: int,
+         merge: int = 1) -> tuple[str, list[SimRequest]]:
     if trace and workload:
         raise BadRequest("give --trace or --workload, not both")
     if workload:
-        return f"workload:{workload}", generate(workload, n_requests=requests or 10000, seed=seed)
-    path = trace or DEFAULT_TRACE
-    return os.path.basename(path), load_mooncake(path, limit=requests)
+        source, reqs = f"workload:{workload}", generate(workload, n_requests=requests or 10000, seed=seed)
+    else:
+        path = trace or DEFAULT_TRACE
+        source, reqs = os.path.basename(path), load_mooncake(path, limit=requests)
+    if merge != 1:
+        source += f" ({merge * BLOCK_TOKENS}-token chunks)"
+    return source, merge_blocks(reqs, merge)
 
 
 def _one(reqs: list[SimRequest], task: tuple[str, str, int]) -> dict:

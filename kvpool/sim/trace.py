@@ -23,14 +23,27 @@ class SimRequest:
     input_tokens: int
     output_tokens: int = 0
     tenant: int = 0
+    chunk_tokens: int = BLOCK_TOKENS
 
     @property
     def full_blocks(self) -> int:
-        return min(len(self.blocks), self.input_tokens // BLOCK_TOKENS)
+        return min(len(self.blocks), self.input_tokens // self.chunk_tokens)
 
     def block_tokens(self, i: int) -> int:
         """Tokens of the prompt in block ``i`` (the last block may be partial)."""
-        return max(0, min(BLOCK_TOKENS, self.input_tokens - i * BLOCK_TOKENS))
+        return max(0, min(self.chunk_tokens, self.input_tokens - i * self.chunk_tokens))
+
+
+def merge_blocks(trace: list[SimRequest], n: int) -> list[SimRequest]:
+    """The same requests in chunks of ``n`` blocks (n x 512 tokens). Block ids are chained, so a
+    chunk is named by its last block's id: two chunks with the same last block hold the same
+    tokens at the same place."""
+    if n < 1:
+        raise BadRequest(f"--merge-blocks {n}: give a whole number of 512-token blocks per chunk (1, 2, 4, ...)")
+    if n == 1:
+        return trace
+    return [SimRequest(r.time_s, tuple(r.blocks[min(i + n, len(r.blocks)) - 1] for i in range(0, len(r.blocks), n)),
+                       r.input_tokens, r.output_tokens, r.tenant, r.chunk_tokens * n) for r in trace]
 
 
 def load_mooncake(path: str, limit: int | None = None) -> list[SimRequest]:
