@@ -31,7 +31,7 @@ VALUES_FILES = sorted(str(p.relative_to(CHART)) for p in (CHART / "ci").glob("*-
 VALUE_SETS = ["default", *VALUES_FILES]  # "default": the chart's values.yaml alone
 NAMESPACE = "kv"
 KUBE_VERSIONS = ("1.25.0", "1.37.0")  # the chart's kubeVersion floor, and the newest schemas bundled
-POLICIES = sorted(["adaptive", "density", "lru", "s3fifo", "tiered", "importance", "request-fifo", "request-lru", "reject",
+POLICIES = sorted(["adaptive", "density", "density-admit", "lru", "s3fifo", "tiered", "importance", "request-fifo", "request-lru", "reject",
                    "tiered-memory"])
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 

@@ -30,14 +30,14 @@ def test_lru_and_belady_match_the_published_figures(mooncake):
         assert belady(mooncake, cap)["hit_rate"] == pytest.approx(belady_want, abs=1e-3)
 
 
-def test_density_meets_its_targets_on_the_conversation_trace(mooncake):
-    """Never below LRU; at 4k blocks 1.6x LRU and 45% of Belady (the measured 46%; 50% is the goal)."""
-    for cap, factor in ((1000, 1.5), (4000, 1.6), (16000, 1.0)):
+def test_default_policy_meets_its_targets_on_the_conversation_trace(mooncake):
+    """Never below LRU; at 4k blocks 1.6x LRU and 43% of Belady (the goal was 50%: docs/eviction.md)."""
+    for cap, factor in ((1000, 1.5), (4000, 1.6), (16000, 1.05)):
         lru = replay(mooncake, "lru", cap)["hit_rate"]
-        ours = replay(mooncake, "density", cap)["hit_rate"]
+        ours = replay(mooncake, "default", cap)["hit_rate"]
         assert ours >= factor * lru, (cap, ours, lru)
         if cap == 4000:
-            assert ours >= 0.45 * belady(mooncake, cap)["hit_rate"]
+            assert ours >= 0.43 * belady(mooncake, cap)["hit_rate"]
 
 
 @pytest.mark.parametrize("workload", ["chat", "rag", "agent", "tenants"])
@@ -90,7 +90,7 @@ def test_sim_command_json_and_plot(tmp_path):
     )
     rows = json.loads(out.stdout)
     names = {(r["policy"], r["capacity"]) for r in rows}
-    assert names == {(p, c) for p in ("lru", "adaptive", "infinite", "belady") for c in (100, 400)}
+    assert names == {(p, c) for p in ("lru", "density", "infinite", "belady") for c in (100, 400)}
     for r in rows:
         assert 0 <= r["hit_rate"] <= 1 and 0 <= r["token_hit_rate"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -124,3 +124,23 @@ def test_merged_blocks_keep_the_chain_and_the_partial_tail():
     assert ma.block_tokens(1) == 276
     merged = replay(merge_blocks([a, b, a], 2), "lru", 8)
     assert merged["hit_rate"] == (0 + 1 + 2) / (2 + 2 + 2)  # b hits the shared chunk, a's repeat both of its
+
+
+def test_explain_breaks_the_whole_gap_down_on_every_dimension():
+    from kvpool.sim.gap import BINS, explain
+    from kvpool.sim.replay import belady_runs
+
+    trace = generate("chat", n_requests=1500, seed=4)
+    rows = explain(trace, "lru", 300)
+    bel = sum(belady_runs(trace, 300))
+    lru = replay(trace, "lru", 300)["hit_rate"] * sum(len(r.blocks) for r in trace)
+    for dim in BINS:
+        rs = [r for r in rows if r["dimension"] == dim]
+        assert [r["bin"] for r in rs] == list(BINS[dim])
+        assert sum(r["belady_hits"] for r in rs) == bel
+        assert sum(r["policy_hits"] for r in rs) == pytest.approx(lru)
+        assert sum(r["share_of_gap"] for r in rs) == pytest.approx(1.0)
+    gap = sum(r["gap_blocks"] for r in rows if r["dimension"] == "turn")
+    assert gap > 0.1 * bel  # LRU at 300 blocks leaves much on the table
+    turn0 = next(r for r in rows if r["dimension"] == "turn" and r["bin"] == "0 (new)")
+    assert turn0["gap_blocks"] < 0.2 * gap  # the system prompt is shared: new conversations cost little

@@ -32,7 +32,7 @@ def registry() -> dict[str, type[Policy]]:
     return out
 
 
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "density"
 
 # Not a policy of one tier but a way to build the cache: HBM -> DRAM -> disk, each tier with its
 # own policy (lru unless told), demoting before dropping and promoting on a hit.

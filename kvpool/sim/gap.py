@@ -13,7 +13,7 @@ chain of one earlier request is that conversation's next turn.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 
 from kvpool.cache import TieredCache
 from kvpool.policies import Access, make_policy
@@ -52,6 +52,33 @@ def _policy_runs(trace: list[SimRequest], policy: str, capacity: int) -> tuple[l
     return runs, declined
 
 
+def lru_knowing_dead(trace: list[SimRequest], capacity: int) -> float:
+    """Hit rate of a block-level LRU told which blocks are never used again: it stores none of
+    them and drops a resident one as soon as its last use is over. The value of knowing deadness
+    alone (not when a block comes back)."""
+    last_use: dict[int, int] = {}
+    for ri, r in enumerate(trace):
+        for b in r.blocks:
+            last_use[b] = ri
+    lru: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for ri, r in enumerate(trace):
+        h = 0
+        for b in r.blocks:
+            if b not in lru:
+                break
+            h += 1
+        hits += h
+        total += len(r.blocks)
+        for b in reversed(r.blocks):  # leaf first: the root ends up most recent
+            lru.pop(b, None)
+            if last_use[b] > ri:
+                lru[b] = None
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+    return hits / max(total, 1)
+
+
 def _bin(x: float, edges: tuple, labels: tuple) -> str:
     for e, lab in zip(edges, labels):
         if x < e:
@@ -68,6 +95,7 @@ def explain(trace: list[SimRequest], policy: str, capacity: int) -> list[dict]:
     last_req: dict[int, int] = {}
     turn = [0] * len(trace)
     gap = [0.0] * len(trace)
+    has_next = [False] * len(trace)
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # belady, policy, gap
     for i, r in enumerate(trace):
         h = 0
@@ -78,6 +106,7 @@ def explain(trace: list[SimRequest], policy: str, capacity: int) -> list[dict]:
         prev_gap = None
         if h >= 2:
             p = last_req[r.blocks[h - 1]]
+            has_next[p] = True
             turn[i] = turn[p] + 1
             gap[i] = r.time_s - trace[p].time_s
             prev_gap = gap[p] if turn[p] else None
@@ -116,8 +145,26 @@ def explain(trace: list[SimRequest], policy: str, capacity: int) -> list[dict]:
             uses[b] += 1
             last_time[b] = r.time_s
             last_req[b] = i
+    odds: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # requests, of which came back
+    for i, r in enumerate(trace):
+        back = int(has_next[i])
+        prev = "previous gap " + ("none (first turn)" if turn[i] == 0 else
+                                  _bin(gap[i], (60, 300), ("<1 min", "1-5 min", ">5 min")))
+        for key in ("turn " + _bin(turn[i], (1, 2, 3, 5), ("0", "1", "2", "3-4", "5+")),
+                    "prompt " + _bin(len(r.blocks), (8, 32), ("<8 blocks", "8-31 blocks", "32+ blocks")), prev):
+            odds[key][0] += 1
+            odds[key][1] += back
     total_gap = sum(counts[("depth", b)][2] for b in BINS["depth"]) or 1
-    rows = []
+    blocks = sum(len(r.blocks) for r in trace) or 1
+    rows = [{"dimension": "hit rate", "bin": name, "hit_rate": v, "policy": policy, "capacity": capacity}
+            for name, v in (("Belady", sum(hb) / blocks), (policy, sum(ho) / blocks),
+                            ("LRU told which blocks are dead", lru_knowing_dead(trace, capacity)))]
+    gaps = sorted(g for g, t in zip(gap, turn) if t)
+    if gaps:
+        rows.append({"dimension": "turn gaps", "bin": "seconds", "policy": policy, "capacity": capacity,
+                     "quantiles": {q: gaps[int(q * (len(gaps) - 1))] for q in (0.25, 0.5, 0.75, 0.9, 0.99)}})
+    rows += [{"dimension": "odds of another turn", "bin": k, "requests": n, "odds": b / n, "policy": policy,
+              "capacity": capacity} for k, (n, b) in sorted(odds.items())]
     for dim, labels in BINS.items():
         for label in labels:
             bel, pol_hits, g = counts.get((dim, label), (0, 0, 0))
@@ -130,10 +177,20 @@ def format_table(rows: list[dict]) -> str:
     r0 = rows[0]
     lines = [f"where {r0['policy']} loses to Belady at {r0['capacity']} blocks (blocks of leading runs)",
              f"{'dimension':<22}{'bin':<26}{'belady hits':>12}{'policy hits':>12}{'gap':>9}{'share':>8}"]
+    head = []
     for r in rows:
+        if "hit_rate" in r:
+            head.append(f"hit rate of {r['bin']}: {r['hit_rate']:.2%}")
+            continue
+        if "quantiles" in r:
+            head.append("turn gaps (s): " + ", ".join(f"p{round(q * 100)} {v:.0f}" for q, v in r["quantiles"].items()))
+            continue
+        if "odds" in r:
+            head.append(f"odds a request has a next turn, {r['bin']}: {r['odds']:.0%} of {r['requests']}")
+            continue
         lines.append(f"{r['dimension']:<22}{r['bin']:<26}{r['belady_hits']:>12}{r['policy_hits']:>12}"
                      f"{r['gap_blocks']:>9}{r['share_of_gap']:>8.1%}")
-    return "\n".join(lines)
+    return "\n".join(lines[:1] + head + lines[1:])
 
 
 def plot(rows: list[dict], path: str) -> None:
