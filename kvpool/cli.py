@@ -45,7 +45,7 @@ def _sim(args: argparse.Namespace) -> int:
     else:
         shown = run
         rows = run.simulate(reqs, source, run.parse_policies(args.policy), run.parse_capacities(args.capacity),
-                            progress=not args.json, with_belady=not args.no_belady)
+                            progress=not args.json, with_belady=not args.no_belady, params=run.parse_params(args.param))
     if args.plot:
         shown.plot(rows, args.plot)
     emit(rows) if args.json else print(shown.format_table(rows))
@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--merge-blocks", type=int, default=1, metavar="N", help="replay in chunks of N 512-token blocks "
                    "(2: 1024-token chunks; capacities are then in those chunks)")
     s.add_argument("--no-belady", action="store_true", help="skip the offline optimum")
+    s.add_argument("--param", action="append", metavar="NAME=VALUE", help="a parameter of the policies that take it "
+                   "(e.g. margin=0 for density); repeatable")
     s.add_argument("--explain", action="store_true", help="break down where --policy (one) loses to Belady: by depth, "
                    "what it held, time since last use, turn, turn gap, reuse count")
     s.add_argument("--json", action="store_true", help="rows as JSON")

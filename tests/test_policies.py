@@ -295,6 +295,20 @@ def test_it_learns_what_comes_back_and_beats_lru():
         assert (ours["policy_stats"]["declined_requests"] > 0) == (policy == "density-admit")
 
 
+def test_a_chain_extended_by_a_later_request_is_one_turn_deeper():
+    cache, _ = make("density", 16)
+    pol = cache.policies[0]
+    req = Driver(cache)
+    req(0, 1, 2)
+    req(0, 1, 2, 3)  # extends the leaf 2: the conversation came back
+    assert [pol.turn[cache.index[k]] for k in (0, 1, 2, 3)] == [1, 1, 1, 1]
+    assert pol.cls[cache.index[3]] != pol.cls[cache.index[2]]  # same turn, different reuse counts
+    req(0, 5)  # under 0, which already has a continuation: a new conversation
+    assert pol.turn[cache.index[5]] == 0
+    req(0, 1, 2, 3, 4)
+    assert pol.turn[cache.index[4]] == 2
+
+
 def test_an_evicted_chunk_that_comes_back_is_a_use_at_its_true_age():
     cache, _ = make("density", 2)
     pol = cache.policies[0]

@@ -31,13 +31,13 @@ def test_lru_and_belady_match_the_published_figures(mooncake):
 
 
 def test_default_policy_meets_its_targets_on_the_conversation_trace(mooncake):
-    """Never below LRU; at 4k blocks 1.6x LRU and 43% of Belady (the goal was 50%: docs/eviction.md)."""
+    """Never below LRU; at 4k blocks 1.6x LRU and 44% of Belady (the goal was 50%: docs/eviction.md)."""
     for cap, factor in ((1000, 1.5), (4000, 1.6), (16000, 1.05)):
         lru = replay(mooncake, "lru", cap)["hit_rate"]
         ours = replay(mooncake, "default", cap)["hit_rate"]
         assert ours >= factor * lru, (cap, ours, lru)
         if cap == 4000:
-            assert ours >= 0.43 * belady(mooncake, cap)["hit_rate"]
+            assert ours >= 0.44 * belady(mooncake, cap)["hit_rate"]
 
 
 @pytest.mark.parametrize("workload", ["chat", "rag", "agent", "tenants"])
@@ -144,3 +144,17 @@ def test_explain_breaks_the_whole_gap_down_on_every_dimension():
     assert gap > 0.1 * bel  # LRU at 300 blocks leaves much on the table
     turn0 = next(r for r in rows if r["dimension"] == "turn" and r["bin"] == "0 (new)")
     assert turn0["gap_blocks"] < 0.2 * gap  # the system prompt is shared: new conversations cost little
+
+
+def test_policy_params_reach_the_policies_that_take_them():
+    from kvpool.sim.run import parse_params, simulate
+
+    trace = generate("chat", n_requests=600, seed=3)
+    rows = simulate(trace, "t", ["density", "lru"], [150], progress=False, with_belady=False, workers=1,
+                    params=parse_params(["margin=0"]))
+    by = {r["policy"]: r for r in rows}
+    assert by["density"]["params"] == {"margin": 0.0} and "params" not in by["lru"]
+    with pytest.raises(BadRequest, match="no policy of this run takes it"):
+        simulate(trace, "t", ["lru"], [150], progress=False, with_belady=False, workers=1, params={"margin": 0.0})
+    with pytest.raises(BadRequest, match="NAME=NUMBER"):
+        parse_params(["margin"])

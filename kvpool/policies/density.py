@@ -22,9 +22,8 @@ they decay.
 
 Chunks of a class sit in one queue in order of last use. Eviction looks at the oldest chunk of
 each queue and, among those within ``margin`` (25%) of the lowest density, drops the least
-recently used: a density estimate that small a step apart is noise, and LRU's order is the
-better guess then (without the margin the policy lost to LRU by up to 3% on generated chat
-workloads). A prefix named while its suffix is resident waits outside its queue until its last
+recently used: a density estimate that small a step apart may be noise, and LRU's order is the
+better guess then (docs/eviction.md measures both). A prefix named while its suffix is resident waits outside its queue until its last
 child goes. A prompt's trailing partial chunk is never stored (a later prompt reuses it only by
 repeating the prompt exactly). Before the histograms have data every class has the same
 density, falling with age: the policy starts as LRU. The histograms decay, so the ranking
@@ -97,14 +96,15 @@ class DensityPolicy(Policy):
 
     # ------------------------------------------------------------------ events
 
-    def _new_turn(self, parent: int, access: Access, key: object) -> tuple[int, int]:
-        """Turn and reuse count of a chunk about to be stored under ``parent``."""
+    def _new_turn(self, parent: int, access: Access, key: object, linked: int) -> tuple[int, int]:
+        """Turn and reuse count of a chunk about to be stored under ``parent``; ``linked`` is 1
+        when the chunk is already one of the parent's children (on insert), 0 before (on admit)."""
         res = self.res
         turn = 0
         if parent != NO_PARENT and self.cls[parent] >= 0:
             if res.request[parent] == access.request_id:
                 turn = self.turn[parent]
-            elif res.children[parent] == 0:
+            elif res.children[parent] == linked:  # the parent was a leaf: this extends its chain
                 turn = self.turn[parent] + 1
         g = self.ghost.get(key)
         if g is not None:
@@ -119,7 +119,7 @@ class DensityPolicy(Policy):
         rid, ok = self._admit_for
         if rid == access.request_id:
             return ok
-        turn, count = self._new_turn(parent, access, key)
+        turn, count = self._new_turn(parent, access, key, 0)
         c = class_of(turn, count)
         ok = self.density[c][0] >= self.admission * self._lowest()
         self._admit_for = (access.request_id, ok)
@@ -136,7 +136,7 @@ class DensityPolicy(Policy):
             g = self.ghost.pop(key, None)
             turn, count = (g[2], g[3]) if g is not None else (0, 1)
         else:
-            turn, count = self._new_turn(self.res.parent[slot], access, key)
+            turn, count = self._new_turn(self.res.parent[slot], access, key, 1)
             g = self.ghost.pop(key, None)
         if g is not None:  # given up on too early: a use at its true age, not an end
             ends = self.ends[g[0]]

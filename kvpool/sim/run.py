@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 from kvpool.errors import BadRequest
-from kvpool.policies import DEFAULT_POLICY, policy_names
+from kvpool.policies import DEFAULT_POLICY, TIERED_MEMORY, policy_class, policy_names
 from kvpool.sim.parallel import run_all
 from kvpool.sim.replay import belady, infinite, replay
 from kvpool.sim.trace import BLOCK_TOKENS, SimRequest, load_mooncake, merge_blocks
@@ -53,32 +54,61 @@ def load(trace: str | None, workload: str | None, requests: int | None, seed: in
     return source, merge_blocks(reqs, merge)
 
 
-def _one(reqs: list[SimRequest], task: tuple[str, str, int]) -> dict:
-    kind, policy, cap = task
+def parse_params(items: list[str] | None) -> dict[str, float]:
+    """``--param NAME=VALUE`` pairs (numbers), for the policies whose constructor takes NAME."""
+    out: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip().replace("-", "_")] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise BadRequest(f"--param {item!r}: give NAME=NUMBER, e.g. --param margin=0")
+    return out
+
+
+def _params_for(policy: str, params: dict[str, float]) -> dict[str, float]:
+    if not params or policy == TIERED_MEMORY:
+        return {}
+    accepted = inspect.signature(policy_class(policy).__init__).parameters
+    return {k: v for k, v in params.items() if k in accepted}
+
+
+def _one(reqs: list[SimRequest], task: tuple) -> dict:
+    kind, policy, cap, params = task
     if kind == "belady":
         return belady(reqs, cap)
-    return replay(reqs, policy, cap)
+    return replay(reqs, policy, cap, **dict(params))
 
 
 def simulate(reqs: list[SimRequest], source: str, policies: list[str], capacities: list[int],
-             progress: bool = True, with_belady: bool = True, workers: int | None = None) -> list[dict]:
+             progress: bool = True, with_belady: bool = True, workers: int | None = None,
+             params: dict[str, float] | None = None) -> list[dict]:
     """Every (policy, capacity) pair, plus infinite and Belady, in parallel over the machine's
-    cores (each pair is independent)."""
-    tasks = [("policy", p, c) for c in capacities for p in policies]
+    cores (each pair is independent). ``params`` go to each policy that takes them."""
+    params = params or {}
+    unknown = set(params) - {k for p in policies for k in _params_for(p, params)}
+    if unknown:
+        raise BadRequest(f"--param {sorted(unknown)}: no policy of this run takes it")
+    tasks = [("policy", p, c, tuple(sorted(_params_for(p, params).items()))) for c in capacities for p in policies]
     if with_belady:
-        tasks += [("belady", "belady", c) for c in capacities]
+        tasks += [("belady", "belady", c, ()) for c in capacities]
     results = run_all(reqs, tasks, _one, "kvpool sim", lambda t: f"{t[1]} @ {t[2]}", progress, workers)
     inf = infinite(reqs)
     rows: list[dict] = []
     for cap in capacities:
         for pol in policies:
-            row = results[("policy", pol, cap)]
+            given = tuple(sorted(_params_for(pol, params).items()))
+            row = results[("policy", pol, cap, given)]
+            if given:
+                row["params"] = dict(given)
             row["source"] = source
             row["default"] = pol == DEFAULT_POLICY
             rows.append(row)
         rows.append({**inf, "capacity": cap, "source": source})
         if with_belady:
-            rows.append({**results[("belady", "belady", cap)], "source": source})
+            rows.append({**results[("belady", "belady", cap, ())], "source": source})
     return rows
 
 
