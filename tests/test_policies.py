@@ -71,8 +71,9 @@ def test_reject_refuses_writes_into_a_full_cache():
     assert req(1) == 1
 
 
-def test_lru_evicts_least_recently_used_leaf_first():
-    cache, rec = make("lru", 3)
+@pytest.mark.parametrize("policy", ["lru", "density"])  # density: before it has data
+def test_lru_evicts_least_recently_used_leaf_first(policy):
+    cache, rec = make(policy, 3)
     req = Driver(cache)
     req(1, 2)  # chain 1 -> 2
     req(3)
@@ -247,19 +248,6 @@ def test_sim_reproduces_published_lru_and_belady_shapes_on_a_generated_workload(
 
 def test_the_pools_default_is_density():
     assert policy_class("default") is DensityPolicy
-
-
-def test_without_data_it_evicts_like_lru():
-    cache, rec = make("density", 3)
-    req = Driver(cache)
-    req(1, 2)
-    req(3)
-    req(1)
-    req(4)
-    req(5)
-    req(6)
-    assert rec.dropped_keys == [2, 3, 1]
-    assert resident(cache) == [4, 5, 6]
 
 
 def test_a_prompts_trailing_partial_chunk_is_not_stored():

@@ -17,7 +17,7 @@ from collections import Counter, OrderedDict, defaultdict
 
 from kvpool.cache import TieredCache
 from kvpool.policies import Access, make_policy
-from kvpool.sim.replay import belady_runs
+from kvpool.sim.replay import belady_runs, leading
 from kvpool.sim.trace import SimRequest
 
 BINS = {
@@ -63,12 +63,7 @@ def lru_knowing_dead(trace: list[SimRequest], capacity: int) -> float:
     lru: OrderedDict[int, None] = OrderedDict()
     hits = total = 0
     for ri, r in enumerate(trace):
-        h = 0
-        for b in r.blocks:
-            if b not in lru:
-                break
-            h += 1
-        hits += h
+        hits += leading(r.blocks, lru)
         total += len(r.blocks)
         for b in reversed(r.blocks):  # leaf first: the root ends up most recent
             lru.pop(b, None)
@@ -98,11 +93,7 @@ def explain(trace: list[SimRequest], policy: str, capacity: int) -> list[dict]:
     has_next = [False] * len(trace)
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])  # belady, policy, gap
     for i, r in enumerate(trace):
-        h = 0
-        for b in r.blocks:
-            if b not in last_req:
-                break
-            h += 1
+        h = leading(r.blocks, last_req)
         prev_gap = None
         if h >= 2:
             p = last_req[r.blocks[h - 1]]

@@ -17,6 +17,16 @@ from kvpool.policies import TIERED_MEMORY, TIERED_MEMORY_SPLIT, Access, make_pol
 from kvpool.sim.trace import SimRequest
 
 
+def leading(blocks, held) -> int:
+    """How many of ``blocks``, from the first, are in ``held`` (a leading run)."""
+    h = 0
+    for b in blocks:
+        if b not in held:
+            break
+        h += 1
+    return h
+
+
 def _tokens(req: SimRequest, nblocks: int) -> int:
     return sum(req.block_tokens(i) for i in range(nblocks))
 
@@ -72,11 +82,7 @@ def infinite(trace: list[SimRequest]) -> dict:
     seen: set[int] = set()
     hits = total = hit_tok = tot_tok = 0
     for req in trace:
-        h = 0
-        for b in req.blocks:
-            if b not in seen:
-                break
-            h += 1
+        h = leading(req.blocks, seen)
         hits += h
         total += len(req.blocks)
         hit_tok += _tokens(req, h)
@@ -103,12 +109,7 @@ def belady_runs(trace: list[SimRequest], capacity: int) -> list[int]:
     runs: list[int] = []
     for ri, req in enumerate(trace):
         blocks = req.blocks
-        h = 0
-        for b in blocks:
-            if b not in resident:
-                break
-            h += 1
-        runs.append(h)
+        runs.append(leading(blocks, resident))
         nu = next_use[ri]
         for pos, b in enumerate(blocks):
             t = nu[pos]
