@@ -337,7 +337,7 @@ class PoolHealth:
 class Reporter:
     """Sends a connector's figures to its pool's controller (``kvpool stats``) every ``every_s``
     from a daemon thread, a heartbeat: the controller drops an engine that stopped reporting
-    (kvpool.cluster.controller.Reports); ``close`` says goodbye. Nothing for a pool that takes no
+    (kvpool.cluster.reports.Reports); ``close`` says goodbye. Nothing for a pool that takes no
     reports (a local one). ``figures`` is held weakly: the thread ends with its connector."""
 
     def __init__(self, pool, name: str, figures, every_s: float = REPORT_S) -> None:

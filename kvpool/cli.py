@@ -187,9 +187,10 @@ def _down(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from kvpool.cluster import ops
+    from kvpool.cluster.stats_view import format_stats
 
     st = ops.cmd_stats(args.ray_address)
-    emit(st, default=str) if args.json else print(ops.format_stats(st))
+    emit(st, default=str) if args.json else print(format_stats(st))
     if not st["healthy"]:
         return 1  # NOTE: monitors and readiness probes read the exit code
     return 0

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from kvpool.cluster.controller import Reports
-from kvpool.cluster.ops import format_stats
+from kvpool.cluster.reports import Reports
+from kvpool.cluster.stats_view import format_stats
 from kvpool.connectors.hf import HFConnector
 from kvpool.connectors.hf_model import tiny_llama
 from kvpool.connectors.pools import PoolHealth, Reporter, check_config, open_pool, spec_for

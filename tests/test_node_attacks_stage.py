@@ -221,7 +221,7 @@ def test_a_full_run_dir_is_a_typed_error_the_engine_logs_once_counts_and_serves_
             engine.close()
         st = staging_stats(c)
         assert st["refused_full"] >= 3 and "more room" in st["last_refused"]
-        from kvpool.cluster.ops import format_stats
+        from kvpool.cluster.stats_view import format_stats
 
         shown = format_stats({"version": 1, "shards": {pool["cp"].head: c.shard_stats()}})
         assert "STAGING REFUSED" in shown and "more room" in shown  # what `kvpool stats` prints

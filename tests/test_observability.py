@@ -68,7 +68,7 @@ def test_connectors_report_their_break_even_to_kvpool_stats(pool):
     import torch
 
     from kvpool.cluster.controller import CONTROLLER
-    from kvpool.cluster.ops import format_stats
+    from kvpool.cluster.stats_view import format_stats
     from kvpool.connectors.hf import HFConnector
     from kvpool.connectors.hf_model import model_spec, tiny_llama
     from kvpool.errors import LayoutMismatch
