@@ -54,6 +54,11 @@ class Members:
         if ctl is not None:
             ctl.report.remote(name, figures)
 
+    def engines(self, timeout_s: float = 5.0) -> dict:
+        """The engines' latest reports, as the controller keeps them."""
+        ctl = self._ctl()
+        return {} if ctl is None else ray.get(ctl.reports.remote(), timeout=timeout_s)
+
     def close(self) -> None:
         self._stop.set()
 

@@ -48,10 +48,11 @@ class NodeServer:
     """Serves ``service`` (a cluster.service.ShardService) on this node's socket and peer port."""
 
     def __init__(self, service, directory: str, incarnation: str, stats: Callable[[], dict],
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", pool_stats: Callable[[], dict] | None = None) -> None:
         self.service = service
         self.directory = directory
         self._stats = stats
+        self._pool_stats = pool_stats  # the whole pool's, for `kvpool stats`
         s = service
         self.paths = node_paths(directory, s.pool, s.shard_id)
         slab = s.store.slab("dram")
@@ -210,7 +211,7 @@ class NodeServer:
             case m.Hello():
                 return dict(self.info)
             case m.Stats():
-                return self.stats()
+                return self._pool_stats() if msg.pool and self._pool_stats else self.stats()
             case m.Stage():
                 return w.stage(msg, conn, self.directory, self.page_bytes)
             case m.Get():

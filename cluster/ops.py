@@ -16,7 +16,6 @@ from kvpool.cluster.bootstrap import down, up  # noqa: E402
 from kvpool.cluster.controller import CONTROLLER  # noqa: E402
 from kvpool.cluster.shard import shard_name  # noqa: E402
 from kvpool.errors import Unavailable  # noqa: E402
-from kvpool.health import figures_from_stats  # noqa: E402
 from kvpool.private import check_private, read_private  # noqa: E402
 from kvpool.procs import processes_naming  # noqa: E402
 
@@ -141,8 +140,9 @@ def connect(address: str | None, start_local: bool, insecure_ray: bool | None = 
         _init(running)
         return
     if not start_local:
-        raise SystemExit("kvpool: no Ray cluster started by `kvpool up` is running here (another Ray on this "
-                         "machine is never joined unasked); start one with `kvpool up`, or pass --ray-address")
+        raise SystemExit("kvpool: no pool is up on this machine (no single-node pool, and no Ray head started by "
+                         "`kvpool up --ray-address local` runs here; another Ray on this machine is never joined "
+                         "unasked): start one with `kvpool up`, or pass --ray-address")
     if mode == "token":
         unmade = os.environ.get("RAY_AUTH_TOKEN_PATH") and not os.path.exists(
             os.path.expanduser(os.environ["RAY_AUTH_TOKEN_PATH"]))
@@ -260,22 +260,11 @@ def _recorded_head() -> tuple[str | None, str]:
         return None, ""
 
 
-def secret_path(secret_file: str | None, where: str) -> str | None:
-    """The file the pool secret came from (kvpool.auth_cli.find_secret's ``where``), None when it
-    came from ``$KVPOOL_SECRET``: the pool's actors read that file, on every node."""
-    from kvpool.auth import SECRET_FILE_ENV
-
-    if where == "$KVPOOL_SECRET":
-        return None
-    path = secret_file or os.environ.get(SECRET_FILE_ENV) or where.split(" (")[0]
-    return os.path.abspath(os.path.expanduser(path))
-
-
 def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[dict],
            secret_file: str | None = None, insecure_ray: bool = False, insecure_redis: bool = False) -> dict:
     """Starts the pool, secured by the pool secret (kvpool.auth_cli.find_secret: --secret-file,
     $KVPOOL_SECRET_FILE, $KVPOOL_SECRET, or ~/.kvpool/secret, made when missing)."""
-    from kvpool.auth_cli import find_secret
+    from kvpool.auth_cli import find_secret, secret_path
 
     secret, where = find_secret(secret_file, create=True)  # before Ray: a bad secret file fails fast
     if redis:  # an open Redis is refused before Ray starts (kvpool.index.redis_acl)
@@ -328,24 +317,15 @@ def on_a_pool_node(address: str | None, fn, *args, timeout_s: float = 1800.0, **
 
 
 def cmd_stats(address: str | None, timeout_s: float = 10.0) -> dict:
+    """`kvpool stats` from a machine off the pool: one of its shards gathers them (as it does for
+    `kvpool stats` on a pool node, asked on its socket)."""
     connect(address, start_local=False)
-    controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    state = ray.get(controller.state.remote(), timeout=timeout_s)
-    out = {"version": state["version"], "shards": {}}
-    for sid in state["shards"]:
+    state = ray.get(ray.get_actor(CONTROLLER, namespace=NAMESPACE).state.remote(), timeout=timeout_s)
+    for sid in sorted(state["shards"]):
         try:
-            h = ray.get_actor(shard_name("default", sid), namespace=NAMESPACE)
-            out["shards"][sid] = ray.get(h.stats.remote(), timeout=timeout_s)
-        except Exception as e:  # noqa: BLE001 - a dead shard is reported, not fatal
-            out["shards"][sid] = {"error": f"{type(e).__name__}: {e}"}
-    try:
-        out["engines"] = ray.get(controller.reports.remote(), timeout=timeout_s)
-    except Exception:  # noqa: BLE001 - an older controller without reports
-        out["engines"] = {}
-    live = [s for s in out["shards"].values() if "error" not in s]
-    health = figures_from_stats(live)
-    out["health"] = [{"figure": v.figure, "value": v.value, "low": v.low, "high": v.high, "ok": v.ok}
-                     for v in health["verdicts"]]
-    out["health_lines"] = [str(v) for v in health["verdicts"]]
-    out["healthy"] = all(v.ok for v in health["verdicts"]) and len(live) == len(out["shards"])
-    return out
+            return ray.get(ray.get_actor(shard_name("default", sid), namespace=NAMESPACE).pool_stats.remote(),
+                           timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a dead shard: ask the next
+            continue
+    raise Unavailable(f"no shard of the pool answers (membership version {state['version']}, "
+                      f"{len(state['shards'])} shards listed)")

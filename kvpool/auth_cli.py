@@ -88,6 +88,15 @@ def find_secret(secret_file: str | None = None, env: dict | None = None,
     raise BadRequest(f"no pool secret: {_FIX}")
 
 
+def secret_path(secret_file: str | None, where: str) -> str | None:
+    """The file the pool secret came from (kvpool.auth_cli.find_secret's ``where``), None when it
+    came from ``$KVPOOL_SECRET``: the pool's processes read that file (on every node of a Ray pool)."""
+    if where == "$KVPOOL_SECRET":
+        return None
+    path = secret_file or os.environ.get(auth.SECRET_FILE_ENV) or where.split(" (")[0]
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _init(args: argparse.Namespace) -> int:
     path = write_secret(args.secret_file or default_path(), force=args.force)
     print(f"pool secret written to {path} (mode 0600); issue credentials with `kvpool auth issue TENANT"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from kvpool.auth_cli import add_auth_parser
 from kvpool.bench.cli import add_bench_parser
@@ -161,16 +162,24 @@ def parse_tenant(text: str) -> dict:
     return out
 
 
+def _on_ray(address: str | None) -> bool:
+    """Whether `kvpool up` places the pool on Ray: a cluster named (--ray-address, "local" for this
+    machine's own head, or $RAY_ADDRESS); else it runs as one process here (cluster/solo.py)."""
+    return bool(address or os.environ.get("RAY_ADDRESS", "").strip())
+
+
 def _up(args: argparse.Namespace) -> int:
     from kvpool.cli_up import describe, shard_line, up_store
 
-    store, chunk = up_store(args)  # NOTE: every size is checked before Ray is touched
+    store, chunk = up_store(args)  # NOTE: every size is checked before a process starts
     tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
+    if not _on_ray(args.ray_address):
+        return _up_single_node(args, store, chunk, tenants)
     from kvpool.cluster import ops
 
-    state = ops.cmd_up(args.ray_address, args.redis, store, tenants, secret_file=args.secret_file,
-                       insecure_ray=args.insecure_ray, insecure_redis=args.insecure_redis)
-    print(f"kvpool is up: {len(state['shards'])} shards, membership version {state['version']}")
+    state = ops.cmd_up(None if args.ray_address == "local" else args.ray_address, args.redis, store, tenants,
+                       secret_file=args.secret_file, insecure_ray=args.insecure_ray, insecure_redis=args.insecure_redis)
+    print(f"kvpool is up on Ray: {len(state['shards'])} shards, membership version {state['version']}")
     print(f"  pool secret: {state['secret_from']} (issue credentials with `kvpool auth issue TENANT`)")
     print("\n".join(describe(store, chunk, args)))
     for sid, info in sorted(state["shards"].items()):
@@ -178,7 +187,34 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_single_node(args: argparse.Namespace, store: dict, chunk: dict | None, tenants: list[dict]) -> int:
+    from kvpool.cli_up import describe, shard_line
+    from kvpool.cluster import solo
+
+    if args.redis:
+        from kvpool.index.redis_acl import check_locked
+
+        check_locked(args.redis, args.insecure_redis)
+    t0 = time.monotonic()
+    info = solo.start(store, tenants, args.redis, args.secret_file)
+    print(f"kvpool is up on this machine: one process (pid {info['pid']}, no Ray), index "
+          f"{'in Redis' if args.redis else 'embedded'}, started in {time.monotonic() - t0:.1f} s")
+    print(f"  pool secret: {info['secret_from']} (engines: `kvpool connect vllm`)")
+    print(f"  log: {info['log']}; stop it with `kvpool down`")
+    print("\n".join(describe(store, chunk, args)))
+    print(shard_line(info["shard"], {**info, "node_id": solo.socket.gethostname()}))
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
+    if not args.ray_address:
+        from kvpool.cluster import solo
+
+        if (r := solo.stop()) is not None:
+            print(f"kvpool is down: stopped the pool's process (pid {r['pid']}"
+                  + (", killed after it did not drain in time" if r["killed"] else "")
+                  + (f"; it held {r['chunks']} chunks" if r["chunks"] is not None else "") + ")")
+            return 0
     from kvpool.cluster import ops
 
     print(f"kvpool is down: {ops.cmd_down(args.ray_address, args.stop_ray, args.secret_file)} shards drained")
@@ -186,14 +222,35 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kvpool.cluster import ops
     from kvpool.cluster.stats_view import format_stats
 
-    st = ops.cmd_stats(args.ray_address)
+    st = None if args.ray_address else _stats_here()
+    if st is None:
+        from kvpool.cluster import ops
+
+        st = ops.cmd_stats(None if args.ray_address == "local" else args.ray_address)
     emit(st, default=str) if args.json else print(format_stats(st))
     if not st["healthy"]:
         return 1  # NOTE: monitors and readiness probes read the exit code
     return 0
+
+
+def _stats_here() -> dict | None:
+    """The pool's stats from this node's shard, on its socket (no Ray: well under a second); None
+    when no shard of the pool runs here."""
+    from kvpool.errors import Unavailable
+    from kvpool.node.client import NodeClient
+    from kvpool.node.paths import node_files, run_dir
+
+    if not node_files(run_dir(), "default"):
+        return None
+    client = NodeClient(timeout_s=10.0)
+    try:
+        return client.shard_stats(pool=True)
+    except Unavailable:
+        return None
+    finally:
+        client.close()
 
 
 def _warmup(args: argparse.Namespace) -> int:

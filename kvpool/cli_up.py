@@ -10,13 +10,17 @@ from kvpool.policies import DEFAULT_POLICY, describe_policies
 from kvpool.sizing import DEFAULT_DRAM, DEFAULT_PAGE, MAX_SHARE_PERCENT, MIN_PAGES, mib, parse_size, parse_tier
 from kvpool.spec import DTYPE_BYTES, STORAGE_FORMATS
 
-RAY_ADDRESS_HELP = ("the Ray cluster to use (default: $RAY_ADDRESS when set, else the local Ray head an earlier "
-                    "`kvpool up` started on this machine, if it still answers{new}; never another Ray that "
-                    "merely runs here)")
+RAY_ADDRESS_HELP = ("the pool's Ray cluster ('local': the Ray head `kvpool up --ray-address local` started on this "
+                    "machine{new}; default: this machine's pool, then $RAY_ADDRESS when set, then that local head; "
+                    "never another Ray that merely runs here)")
+UP_RAY_HELP = ("run the pool on this Ray cluster, a shard on every node ('local': the Ray head an earlier `kvpool up "
+               "--ray-address local` started on this machine if it still answers, else a new one on 127.0.0.1); "
+               "default: $RAY_ADDRESS when set, else a single-node pool: one process on this machine, no Ray")
 
 
 def add_up_parser(sub, func) -> None:
-    u = sub.add_parser("up", help="start (or join) the pool: a shard on every Ray node",
+    u = sub.add_parser("up", help="start the pool: one process on this machine, or a shard on every node of a Ray "
+                       "cluster (--ray-address)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, description=(
                            "Pages hold one stored chunk each: --model sizes them to the model's chunk (else\n"
                            f"pages are {DEFAULT_PAGE}, or --page-size). Tiers: --dram / --disk in bytes (64GiB) or "
@@ -26,11 +30,12 @@ def add_up_parser(sub, func) -> None:
                            f"{MIN_PAGES} pages\na tier. A shard's DRAM slab is committed when the shard starts (a "
                            "/dev/shm file,\nreserved and populated), so the default DRAM tier is a fixed "
                            f"{DEFAULT_DRAM}, not a\nshare of memory: give a serving node more, e.g. --dram 25%."))
-    u.add_argument("--ray-address", help=RAY_ADDRESS_HELP.format(new=", else a new local head on 127.0.0.1"))
+    u.add_argument("--ray-address", help=UP_RAY_HELP)
     u.add_argument("--insecure-ray", action="store_true",
-                   help="run Ray WITHOUT its token authentication (default: on; without it any process that reaches "
+                   help="with --ray-address: run Ray WITHOUT its token authentication (default: on; without it any process that reaches "
                    "Ray's ports, any local user, can act as the pool)")
-    u.add_argument("--redis", help="the index's Redis URL (default: the embedded index in an actor); a Redis that "
+    u.add_argument("--redis", help="the index's Redis URL (default: the embedded index, in the pool's process or a Ray "
+                   "actor); a Redis that "
                    "anyone may write without a password is refused (see --insecure-redis)")
     u.add_argument("--insecure-redis", action="store_true",
                    help="run on an open Redis (its default user without a password) WITHOUT refusing it, with a warning: "

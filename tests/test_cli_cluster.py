@@ -133,7 +133,7 @@ def check_no_other_user_reads_a_chunk(run_dir: str) -> None:
 def test_an_open_ray_is_refused_unless_asked_for(tmp_path):
     env = {"RAY_AUTH_MODE": "disabled", "KVPOOL_LOCAL_RAY_RECORD": str(tmp_path / "none.json"),
            "KVPOOL_SECRET_FILE": str(tmp_path / "secret")}
-    r = kvpool("up", "--page-size", "256KiB", "--dram-pages", "4", "--secret-file", str(tmp_path / "secret"), env=env)
+    r = kvpool("up", "--ray-address", "local", "--page-size", "256KiB", "--dram-pages", "4", "--secret-file", str(tmp_path / "secret"), env=env)
     assert r.returncode != 0 and "--insecure-ray" in r.stderr and "token authentication" in r.stderr, r.stderr
 
 
@@ -175,7 +175,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     try:
         # A share of memory is resolved by the shard on its node: one too small for 4 pages is refused there.
-        r = kvpool("up", "--model", str(model), "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a",
+        r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a",
                    "--policy", "tiered", "--secret-file", str(secret))
         assert r.returncode == 2 and "did not start: --dram 0.0001%" in r.stderr and "raise --dram" in r.stderr, \
             r.stderr[-2000:]
@@ -183,10 +183,10 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         assert "starting a local Ray head" in r.stderr and json.loads(record.read_text())["address"] != foreign
         assert "with Ray token authentication" in r.stderr and token.stat().st_mode & 0o777 == 0o600
         assert secret.stat().st_mode & 0o777 == 0o600
-        r = kvpool("up", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
+        r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
                    "--policy", "tiered", "--secret-file", str(secret))
         assert r.returncode == 0, r.stderr[-2000:]
-        assert "kvpool is up: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
+        assert "kvpool is up on Ray: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
         assert "starting a local Ray head" not in r.stderr  # the head of the record, still answering
         # pages of one KV head's slice of the model's 64-token chunk (2 heads: 2 slices), and 4 MiB of them
         assert "pages: 131072 B (0.12 MiB); a chunk of" in r.stdout and "stored as 2 slices" in r.stdout, r.stdout
@@ -242,7 +242,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
     with open(lure, "w") as f:  # `ray start` of kvpool's head named it instead: the foreign head again
         f.write(foreign)
     r = kvpool("stats")
-    assert r.returncode != 0 and "no Ray cluster started by `kvpool up` is running here" in r.stderr
+    assert r.returncode != 0 and "no pool is up on this machine" in r.stderr
 
 
 def _start_head(home: str, env: dict, *extra: str):
@@ -330,7 +330,7 @@ def test_up_stats_down_keep_ray_token_auth(token_head, tmp_path):
     r = kvpool("up", "--ray-address", address, "--page-size", "256KiB", "--dram-pages", "4", "--tenant", "a",
                "--secret-file", str(secret), env=env)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "kvpool is up: 1 shards" in r.stdout and f"pool secret: {secret} (new)" in r.stdout
+    assert "kvpool is up on Ray: 1 shards" in r.stdout and f"pool secret: {secret} (new)" in r.stdout
     r = kvpool("stats", "--json", "--ray-address", address, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(json.loads(r.stdout)["shards"]) == 1

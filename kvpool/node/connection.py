@@ -180,9 +180,10 @@ class NodeConnection:
             self.last_credential = credential
         return result, got
 
-    def shard_stats(self) -> dict:
-        """This node's shard's stats (kvpool.cluster.shard), asked on its socket."""
-        return self.call(m.Stats())[0]
+    def shard_stats(self, pool: bool = False) -> dict:
+        """This node's shard's stats (kvpool.cluster.shard_core), asked on its socket; ``pool``:
+        the whole pool's, as `kvpool stats` shows them (cluster.pool_stats)."""
+        return self.call(m.Stats(pool))[0]
 
     def _stage(self, sock: wire.Channel, deadline: float, credential: str) -> Stage | None:
         """The channel's staging file, asked for once per connection with the caller's credential;

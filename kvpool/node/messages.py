@@ -239,9 +239,12 @@ class Report(Message):
     figures: dict
 
 
-@op("stats")
+@op("stats", pool=_flag)
 class Stats(Message):
-    """-> this shard's stats."""
+    """-> this shard's stats; ``pool``: the whole pool's, as `kvpool stats` shows them
+    (cluster.pool_stats.summarize), gathered by this shard."""
+
+    pool: bool = False
 
 
 @op("stage", credential=_text)
