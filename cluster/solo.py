@@ -84,10 +84,10 @@ def _live_node_files(directory: str) -> list[str]:
         try:
             with open(path) as f:
                 pid = int(json.load(f)["pid"])
-            os.kill(pid, 0)
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        out.append(path)
+        if not _zombie(pid):  # gone, or killed and not reaped yet
+            out.append(path)
     return out
 
 

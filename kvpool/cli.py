@@ -215,7 +215,7 @@ def _down(args: argparse.Namespace) -> int:
                   + (", killed after it did not drain in time" if r["killed"] else "")
                   + (f"; it held {r['chunks']} chunks" if r["chunks"] is not None else "") + ")")
             return 0
-    from kvpool.cluster import ops
+    ops = _ray_ops(args.ray_address)
 
     print(f"kvpool is down: {ops.cmd_down(args.ray_address, args.stop_ray, args.secret_file)} shards drained")
     return 0
@@ -226,13 +226,28 @@ def _stats(args: argparse.Namespace) -> int:
 
     st = None if args.ray_address else _stats_here()
     if st is None:
-        from kvpool.cluster import ops
+        ops = _ray_ops(args.ray_address)
 
         st = ops.cmd_stats(None if args.ray_address == "local" else args.ray_address)
     emit(st, default=str) if args.json else print(format_stats(st))
     if not st["healthy"]:
         return 1  # NOTE: monitors and readiness probes read the exit code
     return 0
+
+
+def _ray_ops(address: str | None):
+    """kvpool.cluster.ops (the commands' Ray side); where Ray is not installed, no pool runs on this
+    machine and no Ray cluster is named, that is the message (not "Ray is not installed")."""
+    try:
+        from kvpool.cluster import ops
+    except ModuleNotFoundError as e:
+        if e.name != "ray" or address or os.environ.get("RAY_ADDRESS", "").strip():
+            raise
+        from kvpool.errors import Unavailable
+
+        raise Unavailable("no pool is up on this machine: start one with `kvpool up` (or name a Ray cluster's "
+                          "with --ray-address)") from None
+    return ops
 
 
 def _stats_here() -> dict | None:
