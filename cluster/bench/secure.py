@@ -94,7 +94,7 @@ def _pool(home: str, secured: bool, dram_pages: int, progress: bool, redis_url: 
             from kvpool.index.redis_acl import apply
 
             redis = ["--redis", apply(redis_url, lock_default=True)["shard"]]
-        r = _kvpool(env, "-m", "kvpool.cli", "up", "--page-size", str(PAGE), "--dram-pages", str(dram_pages),
+        r = _kvpool(env, "-m", "kvpool.cli", "up", "--ray-address", "local", "--page-size", str(PAGE), "--dram-pages", str(dram_pages),
                     "--tenant", TENANT, "--secret-file", env["KVPOOL_SECRET_FILE"], *redis)
     else:
         r = _kvpool(env, "-c", INSECURE_UP % (PAGE, dram_pages, TENANT, redis_url))
