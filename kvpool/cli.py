@@ -173,8 +173,15 @@ def _up(args: argparse.Namespace) -> int:
 
     store, chunk = up_store(args)  # NOTE: every size is checked before a process starts
     tenants = [parse_tenant(t) for t in args.tenant] or [{"id": "default"}]
+    from kvpool.cluster import solo
+
     if not _on_ray(args.ray_address):
+        if args.insecure_ray:
+            raise BadRequest("--insecure-ray is for a pool on Ray: add --ray-address (a single-node pool runs no Ray)")
         return _up_single_node(args, store, chunk, tenants)
+    if (rec := solo.running()) is not None:
+        raise BadRequest(f"a single-node pool runs on this machine (pid {rec['pid']}): its engines would find two "
+                         "shards here; stop it with `kvpool down` before starting the pool on Ray")
     from kvpool.cluster import ops
 
     state = ops.cmd_up(None if args.ray_address == "local" else args.ray_address, args.redis, store, tenants,

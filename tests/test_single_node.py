@@ -84,6 +84,10 @@ def test_single_node_pool_runs_without_ray_and_stops_clean(no_ray):
     # a second `kvpool up` does not start another
     r = kvpool(env, "up", "--dram", "64MiB", "--page-size", "4MiB")
     assert r.returncode == 2 and "already up" in r.stderr and "kvpool down" in r.stderr, r.stderr
+    r = kvpool(env, "up", "--ray-address", "local", "--dram", "64MiB", "--page-size", "4MiB")
+    assert r.returncode == 2 and "a single-node pool runs on this machine" in r.stderr, r.stderr  # not two shards here
+    r = kvpool(env, "up", "--insecure-ray", "--dram", "64MiB", "--page-size", "4MiB")
+    assert r.returncode == 2 and "add --ray-address" in r.stderr, r.stderr
     assert pool_pids(env) == [pid]
     # engines attach through the node's socket and shared memory, each tenant its own chunks
     for tenant, start in (("acme", 10), ("globex", 20)):
