@@ -60,7 +60,7 @@ from typing import Any
 
 from kvpool.auth import SECRET_FILE_ENV, Authority
 from kvpool.codec import page_bytes
-from kvpool.errors import BadRequest, LayoutMismatch, Unavailable
+from kvpool.errors import BadRequest, LayoutMismatch
 from kvpool.pool import LocalPool
 from kvpool.slices import SlicedPool, Slicing
 from kvpool.spec import STORAGE_FORMATS, KVSpec
@@ -69,7 +69,6 @@ from kvpool.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("kvpool.connectors")
 BACKENDS = ("local", "node")
-START_TIMEOUT_S = 30.0  # how long a connector waits at start for a "node" pool that is starting
 REPORT_S = 5.0  # how often a connector reports its figures (a heartbeat for `kvpool stats`)
 POKE_GAP_S = 0.5  # at most this often when its figures change
 KNOWN_KEYS = {"backend", "pool", "dram_mib", "tenants", "tenant", "chunk_tokens", "timeout_s", "policy", "load_min_tokens", "credentials_file", "secret_file", "shard",
@@ -104,10 +103,19 @@ def spec_for(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, d
                   layer_kinds=tuple(layer_kinds), v_head_dim=v_head_dim, engine=engine)
 
 
+def unknown_keys(unknown: set, known: set, what: str) -> str:
+    """The message for ``unknown`` keys of ``what``: each with its likely intended key, then the known ones."""
+    import difflib
+
+    guesses = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), sorted(known), 1, 0.6))
+               else repr(k) for k in sorted(unknown, key=str)]
+    return f"unknown {what} {', '.join(guesses)}; known: {sorted(known)}"
+
+
 def check_config(config: dict[str, Any]) -> dict[str, Any]:
     unknown = set(config) - KNOWN_KEYS
     if unknown:
-        raise BadRequest(f"unknown kvpool connector settings {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+        raise BadRequest(unknown_keys(unknown, KNOWN_KEYS, "kvpool connector settings"))
     backend = config.get("backend", "local")
     if backend not in BACKENDS:
         raise BadRequest(f"kvpool backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))} (a cluster's "
@@ -164,7 +172,7 @@ def _check_tenant(t: object) -> None:
         raise BadRequest(f"each of tenants is a tenant id or a dict with an 'id', got {type(t).__name__}")
     unknown = set(t) - TENANT_KEYS
     if unknown:
-        raise BadRequest(f"tenant {t['id']!r}: unknown settings {sorted(unknown)}; known: {sorted(TENANT_KEYS)}")
+        raise BadRequest(f"tenant {t['id']!r}: " + unknown_keys(unknown, set(TENANT_KEYS), "settings"))
     for k in TENANT_AUTH_KEYS:
         if k in t and (not isinstance(t[k], str) or not t[k]):  # NOTE: never show the value: it is a secret
             raise BadRequest(f"tenant {t['id']!r}: {k} is a non-empty string, got {type(t[k]).__name__}")
@@ -232,7 +240,9 @@ def open_pool(spec: KVSpec, config: dict[str, Any] | None = None, slicing: Slici
 
     client = NodeClient(pool=cfg["pool"], shard=cfg.get("shard"), directory=cfg.get("run_dir"),
                         timeout_s=float(cfg.get("timeout_s", 2.0)))
-    _node_answers(client, cfg)
+    from kvpool.connectors.pool_start import node_answers
+
+    node_answers(client, cfg)
     return node_pool(whole, client, tenants, slicing)
 
 
@@ -269,26 +279,6 @@ def as_sliced(pool) -> SlicedPool:
     slicing = Slicing.of(pool.spec)
     return SlicedPool(LocalPool(slicing.slice_spec(pool.spec), pool.store, pool.auth, keyed_as=pool.spec), pool.spec,
                       slicing)
-
-
-def _node_answers(client, cfg: dict[str, Any]) -> None:
-    """Start-up check of a "node" pool: its shard answers within ``start_timeout_s``, else
-    Unavailable naming what did not answer -- or, with ``degraded``, a WARNING and on we go."""
-    from kvpool.node.probe import wait_until_up
-
-    degraded = bool(cfg.get("degraded"))
-    why = wait_until_up(client, float(cfg.get("start_timeout_s", 0.0 if degraded else START_TIMEOUT_S)))
-    if why is None:
-        return
-    if degraded:
-        log.warning("kvpool: pool %r does not answer (%s); starting DEGRADED (\"degraded\": true): every prompt is "
-                    "recomputed until the pool answers, looked for again every %g s", cfg["pool"], why,
-                    client.retry_s)
-        return
-    client.close()
-    raise Unavailable(f"the kvpool pool {cfg['pool']!r} did not answer at start: {why}. Start the pool (`kvpool up` "
-                      "on this node), fix the connector's settings (run_dir, pool, shard), or set \"degraded\": true "
-                      "to start without it (recomputing everything until it answers)")
 
 
 class PoolHealth:

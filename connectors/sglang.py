@@ -55,6 +55,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvpool.connectors.breakeven import BreakEven
+from kvpool.connectors.pool_start import verify_tenants
 from kvpool.connectors.pools import NO_COMPRESS, check_config, open_pool, spec_for
 from kvpool.connectors.sglang_keys import PageKeys, call_context, model_identity, total_kv_heads
 from kvpool.connectors.sglang_pages import HostPages
@@ -151,6 +152,7 @@ class KVPoolStorage(HiCacheStorage):
                              storage_format=self.config["storage_format"])
         self.slicing = Slicing.of(self.spec, c.tp_size, c.tp_rank)
         self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size}, self.slicing)
+        verify_tenants(self.pool, self.tenancy.pool_routes(), self.config, "kvpool's SGLang backend")
         self.page_size = page_size
         self.rank_bytes = self.slicing.rank_spec(self.spec).chunk_nbytes  # a page of this rank
         self._pages = HostPages(host, layout, self.spec.num_layers, heads, head_dim, page_size)

@@ -9,7 +9,8 @@ its config (:mod:`kvpool.connectors.pools`):
 - a tenant's request secret is its ``request_secret`` when the config gives one, else
   :func:`kvpool.auth.request_secret` of its credential (``kvr1.<hex>``, which only the holder of
   the credential, or of the pool secret, can compute), when it has one;
-- its credential is its ``credential``, else its entry in ``credentials_file``, else
+- its credential is its ``credential``, else its entry in ``credentials_file`` (for a "node" pool
+  without one, ``~/.kvpool/credentials.json`` when it exists: where `kvpool connect` writes), else
   ``$KVPOOL_CREDENTIAL`` when that names it; a secured local pool (``secret_file``,
   ``$KVPOOL_SECRET_FILE``, ``$KVPOOL_SECRET``) issues the others here. On a secured pool every
   configured tenant needs one, and the pool is passed the credential; on an open pool, the id.
@@ -43,6 +44,7 @@ import time
 from typing import Any, NamedTuple
 
 from kvpool.auth import CREDENTIAL_ENV, Authority, claimed_tenant, is_credential, request_secret
+from kvpool.connect_cli import DEFAULT_CREDENTIALS
 from kvpool.connectors.pools import check_config, pool_authority
 from kvpool.errors import BadRequest, KvPoolError
 
@@ -113,6 +115,10 @@ class Tenancy:
         self._rejected_logged = 0.0
         self._announce(ids)
 
+    def pool_routes(self) -> dict[str, str]:
+        """tenant id -> what the pool is passed as that tenant (to verify them at start)."""
+        return {t: r.pool_as for t, r in self.routes.items()}
+
     # ------------------------------------------------------------------ set-up
     @staticmethod
     def _credentials(cfg: dict, entries: dict[str, dict], authority: Authority, env: dict) -> dict[str, str]:
@@ -125,6 +131,8 @@ class Tenancy:
             if t in entries:
                 given[t] = (env_cred, f"${CREDENTIAL_ENV}")
         path = cfg.get("credentials_file")
+        if not path and cfg["backend"] == "node" and os.path.exists(os.path.expanduser(DEFAULT_CREDENTIALS)):
+            path = os.path.expanduser(DEFAULT_CREDENTIALS)  # where `kvpool connect` writes them
         if path:
             for t, c in _read_credentials(path).items():
                 if t in entries:  # a Secret may hold every tenant's; this engine serves some

@@ -1,9 +1,9 @@
 """vLLM V1 KV connector: vLLM loads prompt prefixes from the kvpool and saves new ones into it.
 
-Run it with ``vllm serve MODEL ... --kv-transfer-config "$(kvpool connect vllm)"`` (the README's
-quickstart, docs/engines.md): ``"backend": "node"``, the engine reaches its node's shard without
-joining Ray, and the pool outlives the engine. (``"backend": "local"`` is a pool inside this
-process, for tests: it dies with the engine.) ``kv_transfer_config(**pool_config)`` builds the dict.
+Run it with ``vllm serve MODEL ... --kv-transfer-config CONFIG``, CONFIG what ``kvpool connect vllm``
+prints (the README's quickstart, docs/engines.md): ``"backend": "node"``, the engine reaches its
+node's shard without joining Ray, and the pool outlives the engine (``"local"``: in this process,
+for tests). ``kv_transfer_config(**pool_config)`` builds the dict.
 The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
 ``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
 checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
@@ -36,13 +36,12 @@ Lifecycle, per request:
 
 Tenants: a request is served as the tenant whose request secret (``request_secret``, or the one
 derived from its credential: :mod:`kvpool.connectors.tenancy`) is its ``cache_salt`` (the OpenAI
-server takes it in the request body); none: the config's ``tenant``; a salt that is nobody's
+server takes it in the request body); none: the config's ``tenant``, else its first; a salt that is nobody's
 secret: not cached by the pool (``rejected_credential``); ``kv_transfer_params["kvpool_tenant"]``
 is ignored (``ignored_tenant_name``). vLLM's own prefix cache is kept apart per tenant by the same
 salt. The salt is not in the keys (the tenant's namespace isolates); LoRA adapters and multimodal inputs are.
 
-Start-up: a pool that does not answer is ``Unavailable`` (with ``"degraded": true``: a WARNING and
-DEGRADED figures); figures go to ``kvpool stats`` every few seconds (``shutdown``: goodbye).
+Start-up: a pool that does not answer or take a tenant's credential stops vLLM with the fix (``"degraded": true``: a WARNING).
 
 NOTE: loads and saves are whole-forward (the layer-wise hooks are no-ops) and run in the step's
 thread: on CPU there is nothing to overlap with, and a failed load never races a forward.
@@ -66,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connectors.breakeven import BreakEven
+from kvpool.connectors.pool_start import verify_tenants
 from kvpool.connectors.pools import PoolHealth, Reporter, open_pool
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_config import split_config
@@ -122,9 +122,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         xfer = self._kv_transfer_config
         pool_config, own = split_config(xfer.kv_connector_extra_config)
         self.loads, self.saves = role_of(xfer.kv_role)
-        self.tenancy = (Tenancy(pool_config, fallback="default", engine="KVPoolConnector")
+        self.tenancy = (Tenancy(pool_config, engine="KVPoolConnector")
                         if role == KVConnectorRole.SCHEDULER else None)  # the worker takes the scheduler's routes
-        self.tenant = pool_config.get("tenant", "default")
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = int(pool_config.get("chunk_tokens", 256))
         if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
@@ -149,6 +148,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.async_loads = len(self.groups) > 1  # block-level load failures are refused by vLLM there
         self.slicing = rank_slicing(vllm_config, self.spec, worker=role == KVConnectorRole.WORKER)
         self.pool = open_pool(self.spec, pool_config, self.slicing)  # not answering: Unavailable, or degraded
+        if self.tenancy is not None:  # the pool verifies each credential once: a wrong one stops vLLM here
+            verify_tenants(self.pool, self.tenancy.pool_routes(), pool_config, "KVPoolConnector")
         self.health = PoolHealth(self.pool)
         self.bytes_per_token = self.slicing.rank_spec(self.spec).chunk_nbytes // self.chunk_tokens  # a rank loads
         self.load_min_tokens = int(pool_config.get("load_min_tokens", 0))

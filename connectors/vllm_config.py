@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.connectors.pools import KNOWN_KEYS, NO_COMPRESS, check_config
+from kvpool.connectors.pools import KNOWN_KEYS, NO_COMPRESS, check_config, unknown_keys
 from kvpool.errors import BadRequest
 
 # Settings of the connector itself, taken out of kv_connector_extra_config before the rest goes
@@ -25,8 +25,8 @@ def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str
     extra = dict(extra or {})
     unknown = set(extra) - KNOWN_KEYS - CONNECTOR_KEYS
     if unknown:
-        raise BadRequest(f"unknown kv_connector_extra_config keys {sorted(unknown)} for KVPoolConnector; pool keys: "
-                         f"{sorted(KNOWN_KEYS)}, connector keys: {sorted(CONNECTOR_KEYS)}")
+        raise BadRequest("KVPoolConnector: " + unknown_keys(unknown, KNOWN_KEYS | CONNECTOR_KEYS,
+                                                            "kv_connector_extra_config keys"))
     own = {k: extra.pop(k) for k in list(extra) if k in CONNECTOR_KEYS}
     if "compress" in extra:
         raise BadRequest(NO_COMPRESS.format(engine="vLLM"))

@@ -1,14 +1,19 @@
-"""``kvpool connect ENGINE``: the exact connector config an engine on this machine needs to use the
-pool `kvpool up` started, printed for the engine's own command line.
+"""``kvpool connect ENGINE``: checks that the pool on this node takes the engine's tenants, writes
+their credentials, and prints the connector config the engine's command line takes:
 
-    vllm serve MODEL ... --kv-transfer-config "$(kvpool connect vllm)"
-    python -m sglang.launch_server ... --enable-hierarchical-cache --hicache-storage-backend dynamic \\
-        --hicache-storage-backend-extra-config "$(kvpool connect sglang)"
+    kvpool connect vllm --tenant default --tenant acme
+    vllm serve MODEL ... --kv-transfer-config '{"kv_connector":"KVPoolConnector",...}'   # what it printed
+
+The config is the same every time (nothing in it but the engine's settings: no credential, no
+address), so it can be written into the engine's command line once, as a literal; the connector
+finds its pool and credentials itself, and stops the engine at start, naming the fix, when it
+cannot use them (kvpool.connectors.pool_start).
 
 The engine reaches the pool through its node's shard (connector backend ``"node"``: the engine never
 joins Ray). Its tenants' credentials are issued here from the pool secret (found as ``kvpool up``
-finds it) and written to a credentials file (mode 0600) that the config names, so no credential
-appears on the engine's command line (which every local user can read in ``ps``).
+finds it) and added to ``~/.kvpool/credentials.json`` (mode 0600), where the connector looks for
+them (``--credentials-file``: another file, which the config then names), so no credential appears
+on the engine's command line (which every local user can read in ``ps``).
 """
 
 from __future__ import annotations
@@ -25,17 +30,38 @@ ENGINES = ("vllm", "sglang")
 
 
 def write_credentials(path: str, credentials: dict[str, str]) -> str:
-    """Writes ``{tenant: credential}`` to ``path`` (mode 0600, atomically); its absolute path."""
+    """Adds ``{tenant: credential}`` to the credentials file at ``path`` (mode 0600) and returns its
+    absolute path. The file is replaced atomically, a new file under the same name, and keeps every
+    other tenant it held: an engine that runs on it, or starts on it later, keeps its tenants.
+    (A tenant's credential is the same every time the same pool secret issues it.)"""
     from kvpool.auth_cli import write_private
+    from kvpool.private import read_private
 
-    return write_private(path, json.dumps(credentials), "the engine's credentials", "--credentials-file")
+    full = os.path.abspath(os.path.expanduser(path))
+    held: dict[str, str] = {}
+    try:
+        data = json.loads(read_private(full, "the engine's credentials"))
+        if isinstance(data, dict):
+            held = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+    except (OSError, ValueError):
+        pass  # none yet, or not ours to keep
+    if all(held.get(t) == c for t, c in credentials.items()):
+        return full  # nothing new: not rewritten
+    return write_private(full, json.dumps({**held, **credentials}), "the engine's credentials", "--credentials-file")
 
 
 def pool_config(tenants: list[str], chunk_tokens: int, credentials_file: str, pool: str = "default",
                 storage_format: str | None = None, degraded: bool = False, run_dir: str | None = None) -> dict:
-    """The connector's pool config (kvpool.connectors.pools) for an engine on a node of the pool."""
-    cfg: dict = {"backend": "node", "pool": pool, "tenants": list(tenants), "chunk_tokens": chunk_tokens,
-                 "credentials_file": credentials_file}
+    """The connector's pool config (kvpool.connectors.pools) for an engine on a node of the pool:
+    only what differs from the connector's defaults, so the default is the short config a user
+    writes once (the credentials in ~/.kvpool/credentials.json, the pool found in the run dir)."""
+    cfg: dict = {"backend": "node", "tenants": list(tenants)}
+    if pool != "default":
+        cfg["pool"] = pool
+    if chunk_tokens != 256:
+        cfg["chunk_tokens"] = chunk_tokens
+    if os.path.abspath(os.path.expanduser(credentials_file)) != os.path.abspath(os.path.expanduser(DEFAULT_CREDENTIALS)):
+        cfg["credentials_file"] = credentials_file
     if storage_format and storage_format != "raw":
         cfg["storage_format"] = storage_format
     if degraded:
@@ -65,8 +91,54 @@ def engine_config(engine: str, cfg: dict, role: str = "both") -> dict:
     raise BadRequest(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
 
 
-def _connect(args: argparse.Namespace) -> int:
+def check_with_pool(args: argparse.Namespace, tenants: list[str]) -> auth.Authority:
+    """The pool secret's authority, once the node's shard took each tenant's credential issued from
+    it (one call a tenant): a pool that is not up here, a pool secret that is not the pool's and a
+    tenant the pool does not serve are errors naming the fix, before anything is written."""
+    from kvpool.errors import Unauthorized, Unavailable, UnknownTenant
+    from kvpool.node import messages as m
+    from kvpool.node.client import NodeClient
+    from kvpool.node.probe import why_down
+
+    client = NodeClient(pool=args.pool, directory=args.run_dir, timeout_s=5.0)
+    try:
+        why = None if args.degraded else why_down(client)
+        if why is not None:
+            raise Unavailable(f"no pool is up on this node ({why}): start it with `kvpool up`; or pass --degraded to "
+                              "let the engine start without it (recomputing every prompt until it answers)")
+        authority, where = _authority(args.secret_file)
+        if args.degraded:
+            return authority
+        for t in tenants:
+            try:
+                client.call(m.Lookup(authority.issue(t), [], False))
+            except Unauthorized:
+                raise Unauthorized(f"the pool on this node does not take credentials issued from the pool secret in "
+                                   f"{where}: pass the pool's own (--secret-file, as given to `kvpool up`)") from None
+            except UnknownTenant as e:
+                e.message = (f"tenant {t!r} is not one of the pool's tenants: start the pool serving it (`kvpool "
+                             f"down`, then `kvpool up ... --tenant {t}` with the others), or connect the engine as a "
+                             "tenant the pool serves")
+                raise e from None
+    finally:
+        client.close()
+    return authority
+
+
+def _authority(secret_file: str | None) -> tuple[auth.Authority, str]:
     from kvpool.auth_cli import find_secret
+
+    try:
+        secret, where = find_secret(secret_file)  # the pool's: `kvpool up` made or found it
+    except BadRequest as e:
+        raise BadRequest(f"the pool secret is not here ({e.message.split(':')[0]}): `kvpool connect` issues the "
+                         "engine's credentials from the secret `kvpool up` used: pass its --secret-file") from None
+    return auth.Authority(secret), where
+
+
+def _connect(args: argparse.Namespace) -> int:
+    import sys
+
     from kvpool.index.base import check_name
 
     tenants = args.tenant or ["default"]
@@ -75,8 +147,10 @@ def _connect(args: argparse.Namespace) -> int:
     if args.chunk_tokens < 1:
         raise BadRequest(f"--chunk-tokens {args.chunk_tokens}: at least 1 (vLLM: a multiple of its --block-size; "
                          "SGLang: its --page-size)")
-    secret, _ = find_secret(args.secret_file)  # the pool's: `kvpool up` made or found it
-    authority = auth.Authority(secret)
+    if args.degraded:
+        print("kvpool: --degraded: the pool is not asked now; the engine starts even while it does not answer",
+              file=sys.stderr)
+    authority = check_with_pool(args, tenants)
     path = write_credentials(args.credentials_file, {t: authority.issue(t) for t in tenants})
     cfg = pool_config(tenants, args.chunk_tokens, path, pool=args.pool, storage_format=args.storage_format,
                       degraded=args.degraded, run_dir=args.run_dir)

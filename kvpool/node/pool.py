@@ -36,8 +36,10 @@ class NodePool:
         if pages:
             need = page_bytes(spec, [t.storage_format for t in tenants])  # a tenant may store its own format
             for fmt in ("", *(t.storage_format for t in tenants)):
-                self._formats.codec(fmt).check_page(min(pages), f"start the pool with a page size >= {need} "
-                                                                "(kvpool up --page-size) or use smaller chunks")
+                self._formats.codec(fmt).check_page(min(pages), (
+                    f"start the pool for the dtype this engine serves, {spec.dtype} (`kvpool up --model MODEL "
+                    f"--dtype {spec.dtype}`: --model alone sizes pages to the checkpoint's own dtype), or with pages "
+                    f"of at least {need} B (`kvpool up --page-size {need}`), or use smaller chunks"))
             if min(pages) >= 2 * need:  # a page holds one chunk: the rest of it is idle
                 log.warning("the pool's pages hold %d B and a payload of %s (%s; a chunk is stored as a slice per KV "
                             "head) takes %d B: `kvpool up --page-size "
