@@ -43,8 +43,8 @@ def write_credentials(path: str, credentials: dict[str, str]) -> str:
         data = json.loads(read_private(full, "the engine's credentials"))
         if isinstance(data, dict):
             held = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
-    except (OSError, ValueError):
-        pass  # none yet, or not ours to keep
+    except (OSError, ValueError, BadRequest):
+        pass  # none yet, or not ours to keep (one that others can read is replaced by a private one)
     if all(held.get(t) == c for t, c in credentials.items()):
         return full  # nothing new: not rewritten
     return write_private(full, json.dumps({**held, **credentials}), "the engine's credentials", "--credentials-file")

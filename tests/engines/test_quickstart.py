@@ -1,12 +1,12 @@
 """The README's quickstart, run as written: `kvpool up`, vLLM's own server (`vllm serve`) with the
 connector from `kvpool connect vllm`, HTTP requests, a restart, a second server, `kvpool stats`,
-`kvpool route` in front of both, `kvpool down --stop-ray`.
+`kvpool route` in front of both, `kvpool down`.
 
 The commands come from the README itself (its ```sh blocks between the quickstart markers), run in
 one bash (``set -euo pipefail``) from a scratch folder that links the repository's venvs and
 top-level entries. Only the ports change (free ones for 8000, 8001 and 8080); ``$HOME`` is
-the scratch folder (the pool secret, the engine's credentials, the record of the Ray head `kvpool up`
-started), and ``$KVPOOL_RUN_DIR`` a folder of its own. Then the answers are checked:
+the scratch folder (the pool secret, the engine's credentials, the record of the pool's process),
+and ``$KVPOOL_RUN_DIR`` a folder of its own. Then the answers are checked:
 
 - the restarted server's answer loads the prompt's whole chunks from the pool and is vLLM's own
   hit's answer, token for token and log-prob for log-prob, and the cold answer's tokens;
@@ -24,6 +24,7 @@ import re
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
 from conftest import need_engines
@@ -55,13 +56,13 @@ def quickstart_blocks(text: str) -> list[str]:
 def test_quickstart_blocks_are_found():
     blocks = quickstart_blocks(open(README).read())
     text = "\n".join(blocks)
-    for needed in ("kvpool up", "vllm serve", "kvpool connect vllm", "kvpool stats", "kvpool down --stop-ray"):
+    for needed in ("kvpool up", "vllm serve", "kvpool connect vllm", "kvpool stats", "kvpool down", "wait_for_server"):
         assert needed in text, needed
 
 
 def env_for(home: str, run_dir: str) -> dict:
     drop = ("VLLM_", "RAY_ADDRESS", "KVPOOL_SECRET", "KVPOOL_RUN_DIR", "KVPOOL_LOCAL_RAY_RECORD", "KVPOOL_CREDENTIAL",
-            "RAY_AUTH")  # RAY_AUTH: `kvpool up`'s default, Ray with its token
+            "KVPOOL_POOL_RECORD", "RAY_AUTH")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     # NOTE: the SmolLM2 checkpoint is written once per machine under the real home (not per test)
     smollm2 = env.get("KVPOOL_SMOLLM2_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvpool", "smollm2")
@@ -71,13 +72,15 @@ def env_for(home: str, run_dir: str) -> dict:
     return env
 
 
-def own_ray_pids(home: str) -> list[int]:
-    """Processes whose command line names the scratch home (never another Ray on the machine)."""
+def own_pids(home: str) -> list[int]:
+    """Live processes whose environment names the scratch home (never another pool on the machine)."""
     out = []
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"HOME={home}".encode() + b"\0" in f.read():
+                mine = f"HOME={home}".encode() + b"\0" in f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                if mine and f.read().rsplit(")", 1)[1].split()[0] != "Z":
                     out.append(int(pid))
         except OSError:
             continue
@@ -105,8 +108,11 @@ def run(tmp_path_factory):
     env = env_for(home, run_dir)
     proc = subprocess.Popen(["bash", str(work / "quickstart.sh")], cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    left = None
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
+        time.sleep(1.0)  # what `kvpool down` stopped has exited by now
+        left = own_pids(home)  # before the clean-up below: what the quickstart itself left running
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
@@ -117,9 +123,9 @@ def run(tmp_path_factory):
         except ProcessLookupError:
             pass
         if MARK.format("end") not in (out if proc.returncode is not None else ""):
-            subprocess.run([os.path.join(REPO, ".venv", "bin", "kvpool"), "down", "--stop-ray"], env=env, cwd=work,
+            subprocess.run([os.path.join(REPO, ".venv", "bin", "kvpool"), "down"], env=env, cwd=work,
                            capture_output=True, timeout=120)
-        for pid in own_ray_pids(home):
+        for pid in own_pids(home):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -134,6 +140,7 @@ def run(tmp_path_factory):
     step_out = {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
     answers = {name: json.loads((work / f"{name}.json").read_text())
                for name in ("cold", "hit", "pool", "second", "acme", "routed")}
+    step_out["left"] = left
     return step_out, answers, logs
 
 
@@ -194,6 +201,23 @@ def test_the_router_finds_the_prompts_chunks_and_answers_the_same(run):
     assert tokens_and_logprobs(a["routed"]) == tokens_and_logprobs(a["hit"]), logs()
 
 
-def test_the_pool_and_its_ray_are_gone(run):
+def test_the_printed_config_is_the_one_written_once(run):
     steps, _, _ = run
-    assert "kvpool is down" in steps["7"], steps["7"]
+    printed = [json.loads(line) for line in steps["1"].splitlines() if line.startswith("{")]
+    written = re.search(r"^KVCONFIG='(.*)'$", open(README).read(), re.M)[1]
+    assert printed == [json.loads(written)], steps["1"]
+
+
+def test_the_pool_is_gone_and_nothing_of_it_runs(run):
+    steps, _, _ = run
+    assert "kvpool is down: stopped the pool's process" in steps["7"], steps["7"]
+    assert steps["left"] == [], steps["left"]
+
+
+def test_the_wait_stops_when_the_server_exits(tmp_path):
+    """The quickstart's wait for a server: a server that dies at start ends it at once, with its log."""
+    define = re.search(r"^(wait_for_server\(\) \{.*?^\})", quickstart_blocks(open(README).read())[0], re.S | re.M)[1]
+    (tmp_path / "vllm-8123.log").write_text("ValueError: the pool does not answer\n")
+    script = f"{define}\nsleep 0.2 & DEAD=$!\nwait $DEAD\nwait_for_server 8123 $DEAD\n"
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "exited" in r.stdout and "the pool does not answer" in r.stdout, r

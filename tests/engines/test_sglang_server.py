@@ -138,7 +138,8 @@ def test_the_verdict_needs_the_same_answer_and_a_storage_hit():
 
 def test_kvpool_connect_sglang_builds_kvpools_backend_through_sglangs_factory(tmp_path):
     """What `kvpool connect sglang` prints (docs/engines.md) is an extra config SGLang's own factory
-    turns into kvpool's backend, with the tenant's credential from the file it names."""
+    turns into kvpool's backend, with the tenant's credential from the file `kvpool connect` wrote (no pool
+    up yet: --degraded)."""
     from kvpool.auth import Authority
     from kvpool.connectors.sglang import KVPoolStorage
 
@@ -147,7 +148,7 @@ def test_kvpool_connect_sglang_builds_kvpools_backend_through_sglangs_factory(tm
     (tmp_path / "secret").chmod(0o600)  # a secret others can read is refused
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_SECRET")} | {"HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "kvpool.cli", "connect", "sglang", "--secret-file",
-                        str(tmp_path / "secret"), "--chunk-tokens", "64"], capture_output=True, text=True,
+                        str(tmp_path / "secret"), "--chunk-tokens", "64", "--degraded"], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     extra = json.loads(r.stdout)
@@ -159,5 +160,6 @@ def test_kvpool_connect_sglang_builds_kvpools_backend_through_sglangs_factory(tm
     backend = StorageBackendFactory.create_backend("dynamic", cfg, mem_pool_host=None)
     assert type(backend) is KVPoolStorage and backend.config["backend"] == "node"
     assert backend.tenant == "default"
-    creds = json.loads(open(extra["credentials_file"]).read())
+    assert extra["degraded"] is True and "credentials_file" not in extra  # the default file, which it finds
+    creds = json.loads((tmp_path / ".kvpool" / "credentials.json").read_text())
     assert Authority(secret).verify(creds["default"]).tenant == "default"
