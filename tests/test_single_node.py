@@ -81,6 +81,11 @@ def test_single_node_pool_runs_without_ray_and_stops_clean(no_ray):
     (pid,) = pool_pids(env)  # the pool is exactly one process
     rec = json.loads(open(os.path.join(env["HOME"], ".kvpool", "pool.json")).read())
     assert rec["pid"] == pid and os.stat(os.path.join(env["HOME"], ".kvpool", "pool.json")).st_mode & 0o777 == 0o600
+    # nobody but its owner reads what it made: its record, config, log, and the run dir's files
+    made = [os.path.join(env["HOME"], ".kvpool", f) for f in ("pool.json", "pool-config.json", "pool.log", "secret")]
+    made += [os.path.join(env["KVPOOL_RUN_DIR"], f) for f in os.listdir(env["KVPOOL_RUN_DIR"])]
+    assert len(made) >= 8 and all(os.stat(f).st_mode & 0o077 == 0 for f in made), \
+        {f: oct(os.stat(f).st_mode) for f in made}
     # a second `kvpool up` does not start another
     r = kvpool(env, "up", "--dram", "64MiB", "--page-size", "4MiB")
     assert r.returncode == 2 and "already up" in r.stderr and "kvpool down" in r.stderr, r.stderr
