@@ -55,7 +55,6 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def _index_from(args: argparse.Namespace):
 
     from kvpool.errors import BadRequest
@@ -141,7 +140,6 @@ def _tenants(args: argparse.Namespace) -> int:
         idx.set_priority(args.args[0], args.args[1])
         print(f"{args.args[0]}: priority {args.args[1]}")
     return 0
-
 
 
 def parse_tenant(text: str) -> dict:
@@ -285,13 +283,6 @@ def _warmup(args: argparse.Namespace) -> int:
           f"warm-up: {r['prefixes']} prefixes, {r['stored_chunks']} chunks stored, {r['pinned_chunks']} pinned"
           + (f", {r['skipped']} shorter than a chunk" if r["skipped"] else ""))
     return 0
-
-
-
-
-
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:
