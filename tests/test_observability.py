@@ -75,7 +75,7 @@ def test_connectors_report_their_break_even_to_kvpool_stats(pool):
     from kvpool.node.pool import NodePool
     from kvpool.tenants import Tenant
 
-    with pytest.raises(LayoutMismatch, match="page size >= 65536"):  # 64 KiB chunks, 4 KiB pages
+    with pytest.raises(LayoutMismatch, match=r"kvpool up --model MODEL --dtype float32.*kvpool up --page-size 65536"):  # 64 KiB chunks, 4 KiB pages
         NodePool(model_spec(tiny_llama(0), model_id="obs/big", chunk_tokens=32), pool, [Tenant("a")])
     model = tiny_llama(0, layers=1, hidden=64, heads=2, kv_heads=1)
     spec = model_spec(model, model_id="obs/tiny", chunk_tokens=16)
