@@ -255,7 +255,7 @@ def test_the_cluster_pool_stores_quantized_chunks_and_checks_its_pages(caplog):
 
     spec = spec_for("test/m", 2, 2, 64, torch.float32, chunk_tokens=CHUNK, storage_format="int4-kivi")
     codec = ChunkCodec(spec)
-    with pytest.raises(LayoutMismatch, match=f"at least {codec.nbytes} B .kvpool up --page-size {codec.nbytes}"):
+    with pytest.raises(LayoutMismatch, match=f"at least {codec.nbytes} B \\(`kvpool up --page-size {codec.nbytes}`"):
         NodePool(spec, DictClient(codec.nbytes - 1), [Tenant("a")])
     with caplog.at_level("WARNING", logger="kvpool.node.pool"):
         NodePool(spec, DictClient(spec.chunk_nbytes), [Tenant("a")])  # raw-sized pages: it says so
