@@ -193,23 +193,30 @@ def _remember_head(address: str, mode: str) -> None:
         json.dump({"address": address, "session_dir": session, "ray_auth_mode": mode}, f)
 
 
-def stop_started_ray(grace_s: float = 15.0) -> int:
-    """Stops the processes of the Ray head `kvpool up` started (none when it started none: a Ray
-    someone else started is theirs); how many processes were signalled."""
+def stop_started_ray(grace_s: float = 15.0) -> list[str]:
+    """Stops every process of the Ray head `kvpool up --ray-address local` started (none when it
+    started none: a Ray someone else started is theirs): those that name its session directory or
+    its address (the client server names only the address), and every process below them (the
+    raylet's workers and agents); "pid name" of each process stopped."""
     import json
     import signal
     import time
 
+    from kvpool.procs import describe, with_descendants
+
     path = _head_record()
     try:
         with open(path) as f:
-            session = json.load(f)["session_dir"]
+            rec = json.load(f)
+        session, address = rec["session_dir"], rec.get("address") or ""
     except (OSError, ValueError, KeyError):
         print("kvpool: this machine has no Ray started by `kvpool up`: no Ray stopped", file=sys.stderr)
-        return 0
+        return []
     if not session or not session.startswith("/"):
-        return 0
-    mine = _session_processes(session)
+        return []
+    # NOTE: the address as a whole argument (up to its NUL): 127.0.0.1:4924 is not 127.0.0.1:49247
+    mine = with_descendants(_session_processes(session) + (processes_naming(address + "\0") if ":" in address else []))
+    named = [f"{pid} {describe(pid)}" for pid in mine]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in mine:
             try:
@@ -220,7 +227,7 @@ def stop_started_ray(grace_s: float = 15.0) -> int:
         while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in mine) and time.monotonic() < deadline:
             time.sleep(0.2)
     os.unlink(path)
-    return len(mine)
+    return named
 
 
 def _zombie(pid: int) -> bool:
@@ -276,9 +283,9 @@ def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[di
     return {**state, "secret_from": where}
 
 
-def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None) -> int:
+def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None) -> tuple[int, list[str]]:
     """Drains and stops the pool, presenting the pool's credential (the secret found as for ``kvpool
-    up``; without one, ``$KVPOOL_CREDENTIAL``)."""
+    up``; without one, ``$KVPOOL_CREDENTIAL``); (shards drained, the Ray processes stopped)."""
     from kvpool.auth_cli import find_secret
     from kvpool.errors import BadRequest
 
@@ -288,15 +295,15 @@ def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None
         if secret_file:
             raise
         secret = None
-    n = 0
+    n, stopped = 0, []
     try:
         connect(address, start_local=False)
         n = down(namespace=NAMESPACE, secret=secret)
         ray.shutdown()
     finally:
         if stop_ray:  # even when the pool could not be reached: only the Ray `kvpool up` started
-            stop_started_ray()
-    return n
+            stopped = stop_started_ray()
+    return n, stopped
 
 
 def on_a_pool_node(address: str | None, fn, *args, timeout_s: float = 1800.0, **kwargs):

@@ -50,7 +50,6 @@ thread: on CPU there is nothing to overlap with, and a failed load never races a
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +68,7 @@ from kvpool.connectors.pool_start import verify_tenants
 from kvpool.connectors.pools import PoolHealth, Reporter, open_pool
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_config import split_config
+from kvpool.connectors.vllm_figures import Counts, engine_name
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of
 from kvpool.connectors.vllm_spec import cache_groups, model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
@@ -109,6 +109,7 @@ class _Plan:
     looked: bool = False  # a lookup came before this allocation (not an asynchronous load's second one)
     pending: tuple | None = None  # an asynchronous load for the next step: (lo, hi, block ids per group)
     load_failed: bool = False  # an asynchronous load failed: vLLM recomputes the request, nothing is loaded
+    tid: str = ""  # the tenant's id (per-tenant figures)
 
 
 class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -154,10 +155,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.bytes_per_token = self.slicing.rank_spec(self.spec).chunk_nbytes // self.chunk_tokens  # a rank loads
         self.load_min_tokens = int(pool_config.get("load_min_tokens", 0))
         self.breakeven = BreakEven(margin=float(own.get("breakeven_margin", 1.0)))
-        self.counters, self._xfer = {}, {}  # _xfer: for vLLM's connector stats, since it last asked
+        self.counts, self._xfer = Counts(), {}  # _xfer: for vLLM's connector stats, since it last asked
         self._plans: dict[str, _Plan] = {}
-        self.reporter = (Reporter(self.pool, f"vllm {self.spec.model_id} pid {os.getpid()}", self.figures)
-                         if role == KVConnectorRole.SCHEDULER else None)
+        self.reporter = (Reporter(self.pool, engine_name(self.spec.model_id, vllm_config.model_config.served_model_name),
+                                  self.figures) if role == KVConnectorRole.SCHEDULER else None)
         self.worker = (PoolWorker(self.pool, self.slicing.rank_spec(self.spec), self.block_size, vllm_config,
                                   saves=self.saves, cache_groups=self.groups)
                        if role == KVConnectorRole.WORKER else None)
@@ -165,21 +166,19 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     requires_kv_delivery = False  # a dropped save is a future miss, never lost data
 
     def _count(self, name: str, n: int = 1) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        self.counts.add(name, n)
         if self.reporter is not None:  # `kvpool stats` shows a load within a second, not at the next heartbeat
             self.reporter.poke()
 
     def stats(self) -> dict[str, Any]:
         """Counters (the worker's arrive with each step's output), break-even figures, ``health``."""
         tenancy = self.tenancy.stats() if self.tenancy is not None else {}
-        return {**self.counters, **tenancy, "breakeven": self.breakeven.stats(), "health": self.health.figures()}
+        return {**self.counts.c, **tenancy, "breakeven": self.breakeven.stats(), "health": self.health.figures()}
 
     def figures(self) -> dict[str, Any]:
         """What ``kvpool stats`` shows: ``loads`` that succeeded (a failed one is taken back when the
         worker says so), tokens loaded and those of failed loads (recomputed, not hits), DEGRADED."""
-        c = self.counters
-        return {**self.breakeven.stats(self.bytes_per_token), **self.health.figures(),
-                **{k: c.get(k, 0) for k in ("loaded_tokens", "load_failures", "failed_tokens", "degraded_requests")}}
+        return self.counts.figures(self.breakeven.stats(self.bytes_per_token), self.health.figures())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """vLLM's connector stats since it last asked ("KV Transfer metrics"); ``degraded``: 1 while down."""
@@ -215,7 +214,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             adapter = request.lora_request.lora_name if request.lora_request is not None else ""
             keys = self.pool.keys(route.pool_as, prompt[: whole * self.chunk_tokens], adapter_id=adapter,
                                   extra_keys=extra)
-            plan = _Plan(route.pool_as, keys, n)
+            plan = _Plan(route.pool_as, keys, n, tid=route.tenant)
         self._plans[request.request_id] = plan
         return plan
 
@@ -259,6 +258,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             plan.pending = (lo, lo + num_external_tokens, [list(b) for b in blocks.get_block_ids()])
         else:
             plan.load_tokens = num_external_tokens
+        self.counts.request(plan.tid, plan.prompt_len, num_external_tokens)
         self._count("requests")
         if num_external_tokens > 0:
             self._count("loads_planned")

@@ -222,7 +222,11 @@ def _down(args: argparse.Namespace) -> int:
             return 0
     ops = _ray_ops(args.ray_address)
 
-    print(f"kvpool is down: {ops.cmd_down(args.ray_address, args.stop_ray, args.secret_file)} shards drained")
+    n, stopped = ops.cmd_down(args.ray_address, args.stop_ray, args.secret_file)
+    print(f"kvpool is down: {n} shards drained")
+    if stopped:
+        print(f"stopped the Ray head `kvpool up` started: {len(stopped)} processes")
+        print("\n".join(f"  {p}" for p in stopped))
     return 0
 
 

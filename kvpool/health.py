@@ -50,7 +50,8 @@ class Verdict:
     def __str__(self) -> str:
         rng = f"{'' if self.low is None else f'>= {self.low:g}'}{' and ' if self.low is not None and self.high is not None else ''}{'' if self.high is None else f'<= {self.high:g}'}"
         val = "n/a" if self.value is None else f"{self.value:.4g}"
-        return f"{self.figure:<26}{val:>10}  healthy {rng:<18}{'ok' if self.ok else 'OUT OF RANGE'}"
+        verdict = "not judged: nothing measured yet" if self.value is None else "ok" if self.ok else "OUT OF RANGE"
+        return f"{self.figure:<26}{val:>10}  healthy {rng:<18}{verdict}"
 
 
 def judge(figures: dict[str, float | None]) -> list[Verdict]:

@@ -19,3 +19,52 @@ def processes_naming(text: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def _ppids() -> dict[int, int]:
+    out = {}
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                out[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def with_descendants(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them (a Ray head's raylet starts its workers and agents,
+    whose command lines name nothing of the head), never this process or one of its ancestors."""
+    ppids = _ppids()
+    mine, p = set(), os.getpid()
+    while p > 1 and p not in mine:
+        mine.add(p)
+        p = ppids.get(p, 1)
+    found, todo = set(), [r for r in roots if r not in mine]
+    while todo:
+        pid = todo.pop()
+        if pid in found or pid in mine:
+            continue
+        found.add(pid)
+        todo.extend(c for c, parent in ppids.items() if parent == pid)
+    return sorted(found)
+
+
+RAY_PARTS = (("gcs_server", "gcs server"), ("raylet/raylet", "raylet"), ("ray.util.client.server", "ray client server"),
+             ("dashboard/agent.py", "dashboard agent"), ("dashboard/dashboard.py", "dashboard"),
+             ("runtime_env/agent", "runtime-env agent"), ("log_monitor.py", "log monitor"),
+             ("autoscaler/_private/monitor.py", "autoscaler monitor"), ("ray::DashboardAgent", "dashboard agent"),
+             ("ray::RuntimeEnvAgent", "runtime-env agent"), ("ray::", "worker"))
+
+
+def describe(pid: int) -> str:
+    """What a Ray head's process is, in a few words (its command line's first part otherwise)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "gone"
+    for part, name in RAY_PARTS:
+        if part in cmd:
+            return f"{name} {cmd.split()[0]}" if part == "ray::" else name
+    return os.path.basename(cmd.split()[0]) if cmd else "?"

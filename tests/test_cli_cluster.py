@@ -237,8 +237,15 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         r = kvpool("stats")
         assert r.returncode == 1 and "OUT OF RANGE" in r.stdout and "UNHEALTHY" in r.stdout
     finally:
+        head = json.loads(record.read_text()) if record.exists() else {}
         r = kvpool("down", "--stop-ray")
     assert r.returncode == 0 and "1 shards drained" in r.stdout
+    # every process of the head it started, its client server (port 10001) and its agents too, and it says so
+    for name in ("gcs server", "raylet", "ray client server", "runtime-env agent"):
+        assert name in r.stdout, r.stdout
+    from kvpool.procs import processes_naming
+
+    assert processes_naming(head["session_dir"]) == [] and processes_naming(head["address"] + "\0") == []
     with open(lure, "w") as f:  # `ray start` of kvpool's head named it instead: the foreign head again
         f.write(foreign)
     r = kvpool("stats")

@@ -180,10 +180,35 @@ def test_stats_show_degraded_engines_failed_loads_and_silence():
     }
     text = format_stats({"version": 1, "shards": {}, "engines": engines})
     m, n = text.split("vllm n pid 2")
-    assert "3 loads, 1 recomputes, 2 failed loads (3584 tokens recomputed, not hits)" in m
+    assert "3 loads (0 tokens from the pool), 1 declined by the break-even; 2 failed loads (3584 tokens " \
+           "recomputed, not hits)" in m and "not measured yet" not in m
+    assert "load and prefill speed: not measured yet" in n
     assert "DEGRADED" not in m and "silent" not in m
     assert "DEGRADED: its pool does not answer" in n and "42 s degraded" in n
     assert "silent for 12 s" in n
+
+
+def test_stats_of_a_vllm_engine_add_up_per_engine_and_per_tenant():
+    """What the vLLM connector reports (connectors/vllm_figures.py): requests, prompt tokens, tokens
+    loaded, per tenant; `kvpool stats` shows the same counts, and per tenant over every engine."""
+    from kvpool.connectors.vllm_figures import Counts
+
+    engines = {}
+    for name, reqs in (("vllm 127.0.0.1:8000 (m)", [("a", 600, 512), ("a", 600, 0), ("b", 300, 0)]),
+                       ("vllm 127.0.0.1:8001 (m)", [("a", 600, 512)])):
+        c = Counts()
+        for tenant, prompt, pool in reqs:
+            c.request(tenant, prompt, pool)
+            c.add("requests")
+            c.add("loaded_tokens", pool)
+        loads = sum(1 for *_, pool in reqs if pool)
+        engines[name] = {**c.figures({"loads": loads, "recomputes": 0, "load_gbps": None,
+                                      "prefill_ms_per_token": None}, {"degraded": False}), "tenant": "a"}
+    text = format_stats({"version": 0, "shards": {}, "engines": engines})
+    assert "1 loads (512 tokens from the pool) in 3 requests of 1500 prompt tokens: token hit rate 34.1%; " \
+           "2 computed (0 of them declined by the break-even)" in text, text
+    assert "1 loads (512 tokens from the pool) in 1 requests of 600 prompt tokens: token hit rate 85.3%" in text
+    assert "  a: 1024 of 1800 tokens from the pool (56.9%)" in text and "  b: 0 of 300 tokens from the pool (0.0%)" in text
 
 
 def test_the_probe_never_imports_ray(tmp_path):

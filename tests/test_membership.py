@@ -271,9 +271,9 @@ def test_down_stops_only_the_ray_that_up_started(tmp_path, monkeypatch):
     record = tmp_path / "local-ray.json"
     monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
     try:
-        assert ops.stop_started_ray() == 0  # no record: it started no Ray, it stops none
+        assert ops.stop_started_ray() == []  # no record: it started no Ray, it stops none
         record.write_text(f'{{"address": "127.0.0.1:1", "session_dir": "{session}"}}')
-        assert ops.stop_started_ray(grace_s=5) == 1
+        assert ops.stop_started_ray(grace_s=5) == [f"{ours.pid} python"]
         assert ours.wait(timeout=10) is not None and theirs.poll() is None
         assert not record.exists()
     finally:
