@@ -156,10 +156,13 @@ def summarize(rows: list[dict], whole: int) -> dict[str, Any]:
 
 
 def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("node", "local"), *,
-        tiny: bool = False, progress: bool = True, seed: int = 0, model: str = "random") -> dict[str, Any]:
+        tiny: bool = False, progress: bool = True, seed: int = 0, model: str = "random",
+        pool_factory=None) -> dict[str, Any]:
     """One server per backend, one after the other (never two at once on a small machine); see the
     module docstring. ``model``: ``random``, the benchmark Llama (16 KiB of KV per token), or
-    ``qwen2``, a small Qwen2 shape (7.5 KiB); ``tiny``: the engine tests' 2-layer Llama."""
+    ``qwen2``, a small Qwen2 shape (7.5 KiB); ``tiny``: the engine tests' 2-layer Llama.
+    ``pool_factory(page_bytes, dram_pages, progress)``: the "node" backend's pool (default
+    node_pool_proc.NodePool; connectors/bench/pool_modes.py passes the CLI's pools)."""
     if model not in ("random", "qwen2"):
         raise BadRequest(f"model {model!r}: the server benchmark runs 'random' or 'qwen2'")
     for b in backends:
@@ -174,7 +177,7 @@ def run(context: int = 4096, repeats: int = 5, backends: tuple[str, ...] = ("nod
                                           "the restarted server B after one warm-up of both paths",
                               "backends": {}}
     with terminated_as_interrupt():
-        return _run(result, context, repeats, backends, tiny, progress, seed, model)
+        return _run(result, context, repeats, backends, tiny, progress, seed, model, pool_factory or NodePool)
 
 
 def _start(model_dir: str, config: dict, context: int, workdir: str, backend: str, to_close: list, starts: list,
@@ -190,7 +193,7 @@ def _start(model_dir: str, config: dict, context: int, workdir: str, backend: st
 
 
 def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str, ...], tiny: bool, progress: bool,
-         seed: int, model_name: str = "random") -> dict[str, Any]:
+         seed: int, model_name: str = "random", pool_factory=NodePool) -> dict[str, Any]:
     import torch
 
     from kvpool.connectors.bench.ttft import bench_model, small_qwen2
@@ -220,7 +223,7 @@ def _run(result: dict[str, Any], context: int, repeats: int, backends: tuple[str
             pool = None
             if backend == "node":
                 heads = cfg.num_key_value_heads  # a page a slice: one KV head's chunk (kvpool.slices)
-                pool = NodePool(1 << max(chunk_bytes // heads - 1, 1).bit_length(), chunks * heads, progress)
+                pool = pool_factory(1 << max(chunk_bytes // heads - 1, 1).bit_length(), chunks * heads, progress)
                 to_close.append(pool)
                 pool.start()
                 config = pool.connector_config()

@@ -1,5 +1,5 @@
 """``kvpool bench`` commands that run engines (transformers, vLLM, its server) or their checkpoints:
-ttft, route, weights, importance, sliding, quality. Each imports its benchmark when it runs."""
+ttft, route, pool-modes, weights, importance, sliding, quality. Each imports its benchmark when it runs."""
 
 from __future__ import annotations
 
@@ -48,6 +48,16 @@ def _bench_route(args: argparse.Namespace) -> int:
         print("bench route: the two arms' answers differ", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench_pool_modes(args: argparse.Namespace) -> int:
+    from kvpool.connectors.bench import pool_modes
+
+    result = pool_modes.run(args.context, args.repeats, progress=True)  # progress: on stderr
+    show(args, result, pool_modes.format_table)
+    for why in pool_modes.failures(result):
+        print(f"bench pool-modes: {why}", file=sys.stderr)
+    return 1 if pool_modes.failures(result) else 0
 
 
 def _bench_weights(args: argparse.Namespace) -> int:
@@ -137,6 +147,11 @@ def add_engine_benches(bsub) -> None:
     br.add_argument("--model", choices=["random", "tiny"], default="random",
                     help="random: the benchmark Llama (8 layers, 16 KiB of KV a token); tiny: the tests' 2-layer one")
     br.set_defaults(func=_bench_route)
+    bm = bsub.add_parser("pool-modes", help="the single-node pool (one process, no Ray) beside the pool on a local "
+                         "Ray head: processes, memory, start, kvpool stats, TTFT of a restart hit through vLLM's server")
+    bm.add_argument("--context", type=int, default=4096, help="prompt tokens (default 4096)")
+    bm.add_argument("--repeats", type=int, default=5, help="prompts, medians and ranges over them (default 5)")
+    bm.set_defaults(func=_bench_pool_modes)
     bw = bsub.add_parser("weights", help="cost of keying a model by its checkpoint (the files fingerprint and the "
                          "sample of the loaded tensors): first start and later ones, beside a plain read")
     bw.add_argument("--size-gib", type=float, default=16.0, help="size of the simulated checkpoint")
