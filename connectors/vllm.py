@@ -70,6 +70,7 @@ from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_config import split_config
 from kvpool.connectors.vllm_figures import Counts, engine_name
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of
+from kvpool.connectors.vllm_metrics import FAILURE, PoolPromMetrics, PoolXferStats
 from kvpool.connectors.vllm_spec import cache_groups, model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.errors import BadRequest
@@ -191,6 +192,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return PoolXferStats(dict(data or {}))  # vLLM's logger rebuilds the stats from their dict
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> PoolPromMetrics:
+        return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # kvpool:* on /metrics
+
     def shutdown(self) -> None:
         if self.reporter is not None:  # `kvpool stats` forgets this engine now, not after its reports lapse
             self.reporter.close()
@@ -259,6 +264,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             plan.load_tokens = num_external_tokens
         self.counts.request(plan.tid, plan.prompt_len, num_external_tokens)
+        self._xfer["lookups"] = self._xfer.get("lookups", 0) + 1
         self._count("requests")
         if num_external_tokens > 0:
             self._count("loads_planned")
@@ -325,6 +331,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for nbytes, s in wm.load_samples:
             self.breakeven.observe_load(nbytes, s)
+        if wm.load_samples:  # loads that brought chunks, and their times (Prometheus: kvpool:load_seconds)
+            self._xfer["loads"] = self._xfer.get("loads", 0) + len(wm.load_samples)
+            self._xfer.setdefault("load_seconds", []).extend(s for _, s in wm.load_samples)
         for tokens, s in wm.prefill_samples:
             self.breakeven.observe_prefill(tokens, s)
         # NOTE: vLLM counted every planned load as a hit when it admitted the request (its
@@ -333,7 +342,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.breakeven.loaded = max(0, self.breakeven.loaded - wm.counters.get("load_failures", 0))
         for k, v in wm.counters.items():
             self._count(k, v)
-            if k in ("loaded_tokens", "load_failures", "failed_tokens"):
+            if k in ("loaded_tokens", "load_failures", "failed_tokens") or k.startswith(FAILURE):
                 self._xfer[k] = self._xfer.get(k, 0) + v
 
     def request_finished_all_groups(self, request: "Request",
@@ -379,22 +388,3 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> PoolWorkerMeta | None:
         return self.worker.take_meta() if self.worker is not None else None
-
-
-
-class PoolXferStats(KVConnectorStats):
-    """kvpool's figures in vLLM's connector stats: counts summed, ``degraded`` the worst seen."""
-
-    def reset(self) -> None:
-        self.data.clear()
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in (other.data or {}).items():
-            self.data[k] = max(self.data.get(k, 0), v) if k == "degraded" else self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not self.data

@@ -35,6 +35,7 @@ import torch
 
 from kvpool.connectors.vllm_layout import copier_for
 from kvpool.connectors.vllm_meta import PoolStepMeta, PoolWorkerMeta, cdiv
+from kvpool.connectors.vllm_metrics import FAILURE, cause_of
 from kvpool.errors import BadRequest
 
 log = logging.getLogger("kvpool.connectors.vllm")
@@ -188,7 +189,7 @@ class PoolWorker:
         start = min(starts)
         c0, c1 = start // c, cdiv(hi, c)
         t0 = time.perf_counter()
-        done = start
+        done, why = start, None
         last = len(self.groups[0].heads) - 1
         try:
             with closing(self._chunks(req, c0, c1)) as slices:
@@ -209,6 +210,7 @@ class PoolWorker:
                         done = b
         except Exception as e:  # noqa: BLE001 - any failure on the read path is a miss
             log.warning("KVPoolConnector: load of request %s failed after %d tokens (%s)", req_id, done, e)
+            why = e
         dt = time.perf_counter() - t0
         self._add("load_us", int(dt * 1e6))
         self._load_s += dt
@@ -227,6 +229,7 @@ class PoolWorker:
             req.dirty_from = done if req.dirty_from is None else min(req.dirty_from, done)
             req.saved = min(req.saved, done // c)
             self._add("load_failures")
+            self._add(FAILURE + cause_of(why))
             self._add("failed_tokens", hi - done)
         return done
 

@@ -189,6 +189,12 @@ def test_the_hit_shows_in_vllms_metrics_and_kvpool_stats(run):
     # memory, without a call the shard could count)
     loads = [(int(n), int(t)) for n, t in re.findall(r"^\s+(\d+) loads \((\d+) tokens from the pool\)", out, re.M)]
     assert any(n >= 1 and t >= cached(a["pool"]) for n, t in loads), out
+    assert re.search(r"^  vllm 127\.0\.0\.1:\d+ \(smollm2\)", out, re.M), out  # named by its server's address
+    # the connector's own metrics beside vLLM's: the load that landed, its tokens, nothing failed
+    own = {m[1]: float(m[2]) for m in re.finditer(r'^(kvpool:\w+)\{[^}]*\} ([0-9.e+]+)$', out, re.M)}
+    assert own["kvpool:loaded_tokens_total"] == cached(a["pool"]) and own["kvpool:loads_total"] == 1, own
+    assert own["kvpool:lookups_total"] >= 1 and own["kvpool:load_seconds_count"] == 1, own
+    assert not any(k.startswith("kvpool:load_failures") for k in own), own
 
 
 def test_the_router_finds_the_prompts_chunks_and_answers_the_same(run):
