@@ -17,7 +17,7 @@ from kvpool.cluster.controller import CONTROLLER  # noqa: E402
 from kvpool.cluster.shard import shard_name  # noqa: E402
 from kvpool.errors import Unavailable  # noqa: E402
 from kvpool.private import check_private, read_private  # noqa: E402
-from kvpool.procs import processes_naming  # noqa: E402
+from kvpool.procs import processes_naming, zombie  # noqa: E402
 
 NAMESPACE = "kvpool"
 RAY_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")  # Ray's default token file
@@ -224,18 +224,10 @@ def stop_started_ray(grace_s: float = 15.0) -> list[str]:
             except OSError:
                 pass
         deadline = time.monotonic() + grace_s
-        while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in mine) and time.monotonic() < deadline:
+        while any(os.path.exists(f"/proc/{p}") and not zombie(p) for p in mine) and time.monotonic() < deadline:
             time.sleep(0.2)
     os.unlink(path)
     return named
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _session_processes(session: str) -> list[int]:

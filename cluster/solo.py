@@ -25,6 +25,7 @@ import time
 from kvpool.cluster.reports import Reports
 from kvpool.errors import BadRequest, Unavailable
 from kvpool.node.paths import node_files, run_dir
+from kvpool.procs import zombie
 
 POOL = "default"
 SHARD = "single-node"
@@ -86,7 +87,7 @@ def _live_node_files(directory: str) -> list[str]:
                 pid = int(json.load(f)["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _zombie(pid):  # gone, or killed and not reaped yet
+        if not zombie(pid):  # gone, or killed and not reaped yet
             out.append(path)
     return out
 
@@ -183,7 +184,7 @@ def stop(timeout_s: float = 60.0) -> dict | None:
         pass
     os.kill(pid, signal.SIGTERM)
     deadline, killed = time.monotonic() + timeout_s, False
-    while os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+    while os.path.exists(f"/proc/{pid}") and not zombie(pid):
         if time.monotonic() > deadline and not killed:
             os.kill(pid, signal.SIGKILL)
             killed = True
@@ -193,14 +194,6 @@ def stop(timeout_s: float = 60.0) -> dict | None:
     except OSError:
         pass
     return {"pid": pid, "chunks": chunks, "killed": killed, "log": rec.get("log")}
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 # ---------------------------------------------------------------- the process itself

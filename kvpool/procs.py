@@ -68,3 +68,28 @@ def describe(pid: int) -> str:
         if part in cmd:
             return f"{name} {cmd.split()[0]}" if part == "ray::" else name
     return os.path.basename(cmd.split()[0]) if cmd else "?"
+
+
+def zombie(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def processes_with_env(entry: str) -> list[int]:
+    """The live processes (not this one) whose environment holds ``entry`` (``NAME=value``), e.g. the
+    HOME of a scratch folder a benchmark or test ran a pool in."""
+    needle, found = entry.encode() + b"\0", []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read():
+                    continue
+        except OSError:
+            continue
+        if not zombie(int(pid)):
+            found.append(int(pid))
+    return found

@@ -58,18 +58,9 @@ def kvpool(env, *args, timeout=120):
 
 
 def pool_pids(env) -> list[int]:
-    out = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"KVPOOL_RUN_DIR={env['KVPOOL_RUN_DIR']}".encode() + b"\0" not in f.read():
-                    continue
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(int(pid))
-        except OSError:
-            continue
-    return out
+    from kvpool.procs import processes_with_env
+
+    return processes_with_env(f"KVPOOL_RUN_DIR={env['KVPOOL_RUN_DIR']}")
 
 
 def test_single_node_pool_runs_without_ray_and_stops_clean(no_ray):

@@ -69,18 +69,9 @@ class CliPool:
 
     def pids(self) -> list[int]:
         """Live processes whose environment names this pool's home: the pool's (never this one)."""
-        needle, out = f"HOME={self.home}".encode() + b"\0", []
-        for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle not in f.read():
-                        continue
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        out.append(int(pid))
-            except OSError:
-                continue
-        return out
+        from kvpool.procs import processes_with_env
+
+        return processes_with_env(f"HOME={self.home}")
 
     def start(self) -> None:
         up = ["up", "--page-size", str(self.page_bytes), "--dram-pages", str(self.dram_pages), "--tenant", TENANT]

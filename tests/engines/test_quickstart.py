@@ -74,17 +74,9 @@ def env_for(home: str, run_dir: str) -> dict:
 
 def own_pids(home: str) -> list[int]:
     """Live processes whose environment names the scratch home (never another pool on the machine)."""
-    out = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                mine = f"HOME={home}".encode() + b"\0" in f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                if mine and f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.append(int(pid))
-        except OSError:
-            continue
-    return out
+    from kvpool.procs import processes_with_env
+
+    return processes_with_env(f"HOME={home}")
 
 
 @pytest.fixture(scope="module")
