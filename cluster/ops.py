@@ -193,11 +193,12 @@ def _remember_head(address: str, mode: str) -> None:
         json.dump({"address": address, "session_dir": session, "ray_auth_mode": mode}, f)
 
 
-def stop_started_ray(grace_s: float = 15.0) -> list[str]:
+def stop_started_ray(grace_s: float = 5.0) -> list[str]:
     """Stops every process of the Ray head `kvpool up --ray-address local` started (none when it
     started none: a Ray someone else started is theirs): those that name its session directory or
     its address (the client server names only the address), and every process below them (the
-    raylet's workers and agents); "pid name" of each process stopped."""
+    raylet's workers and agents): SIGTERM, then SIGKILL for what still runs after ``grace_s`` (the
+    GCS server and the autoscaler's monitor do not stop on SIGTERM); "pid name" of each process."""
     import json
     import signal
     import time
