@@ -20,6 +20,7 @@ from kvpool.private import check_private, read_private  # noqa: E402
 from kvpool.procs import processes_naming, zombie  # noqa: E402
 
 NAMESPACE = "kvpool"
+HEAD_ENV = "KVPOOL_RAY_HEAD"  # the id of the Ray head `kvpool up` started, in its processes' environment
 RAY_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")  # Ray's default token file
 
 
@@ -158,9 +159,12 @@ def connect(address: str | None, start_local: bool, insecure_ray: bool | None = 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    import secrets
+
+    head_id = secrets.token_hex(8)  # in the environment every process of this head inherits (HEAD_ENV)
     r = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                         "--disable-usage-stats", "--include-dashboard=false"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env={**os.environ, HEAD_ENV: head_id})
     if r.returncode:
         raise SystemExit(f"kvpool: could not start a local Ray head:\n{r.stderr[-2000:]}")
     import time
@@ -168,7 +172,7 @@ def connect(address: str | None, start_local: bool, insecure_ray: bool | None = 
     for attempt in range(4):  # a loaded machine can take a while to bring the head's GCS up
         try:
             _init(f"127.0.0.1:{port}", hint=attempt == 3)
-            _remember_head(f"127.0.0.1:{port}", mode)
+            _remember_head(f"127.0.0.1:{port}", mode, head_id)
             return
         except ConnectionError:
             time.sleep(2.0 * (attempt + 1))
@@ -178,9 +182,9 @@ def _head_record() -> str:
     return os.path.expanduser(os.environ.get("KVPOOL_LOCAL_RAY_RECORD", os.path.join("~", ".kvpool", "local-ray.json")))
 
 
-def _remember_head(address: str, mode: str) -> None:
-    """Records the Ray head `kvpool up` started (its address and session directory,
-    which every process of that head names), so that `kvpool down --stop-ray` stops it and no other."""
+def _remember_head(address: str, mode: str, head_id: str) -> None:
+    """Records the Ray head `kvpool up` started (its address, its session directory, and the id in
+    every one of its processes' environment), so that `kvpool down --stop-ray` stops it and no other."""
     import json
 
     try:
@@ -190,43 +194,58 @@ def _remember_head(address: str, mode: str) -> None:
     path = _head_record()
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"address": address, "session_dir": session, "ray_auth_mode": mode}, f)
+        json.dump({"address": address, "session_dir": session, "ray_auth_mode": mode, "head_id": head_id}, f)
 
 
 def stop_started_ray(grace_s: float = 5.0) -> list[str]:
     """Stops every process of the Ray head `kvpool up --ray-address local` started (none when it
-    started none: a Ray someone else started is theirs): those that name its session directory or
-    its address (the client server names only the address), and every process below them (the
-    raylet's workers and agents): SIGTERM, then SIGKILL for what still runs after ``grace_s`` (the
-    GCS server and the autoscaler's monitor do not stop on SIGTERM); "pid name" of each process."""
+    started none: a Ray someone else started is theirs): those whose environment holds the head's
+    id (every process `ray start` started, and theirs: the client server, the dashboard, the
+    agents, the workers), Ray's processes that name its session directory or its address (a head
+    recorded without an id), and every process below them: SIGTERM, then SIGKILL for what still
+    runs after ``grace_s`` (the GCS server and the autoscaler's monitor do not stop on SIGTERM);
+    "pid name" of each process. One that outlives SIGKILL is named on stderr."""
     import json
     import signal
     import time
 
-    from kvpool.procs import describe, with_descendants
+    from kvpool.procs import describe, processes_with_env, ray_role, with_descendants
 
     path = _head_record()
     try:
         with open(path) as f:
             rec = json.load(f)
-        session, address = rec["session_dir"], rec.get("address") or ""
+        session, address, head_id = rec["session_dir"], rec.get("address") or "", rec.get("head_id") or ""
     except (OSError, ValueError, KeyError):
         print("kvpool: this machine has no Ray started by `kvpool up`: no Ray stopped", file=sys.stderr)
         return []
     if not session or not session.startswith("/"):
         return []
-    # NOTE: the address as a whole argument (up to its NUL): 127.0.0.1:4924 is not 127.0.0.1:49247
-    mine = with_descendants(_session_processes(session) + (processes_naming(address + "\0") if ":" in address else []))
-    named = [f"{pid} {describe(pid)}" for pid in mine]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in mine:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while any(os.path.exists(f"/proc/{p}") and not zombie(p) for p in mine) and time.monotonic() < deadline:
-            time.sleep(0.2)
+
+    def head_processes() -> list[int]:
+        roots = (processes_with_env(f"{HEAD_ENV}={head_id}") if head_id else []) + _session_processes(session)
+        # NOTE: the address as a whole argument (up to its NUL): 127.0.0.1:4924 is not 127.0.0.1:49247;
+        # only Ray's own processes (a user's script that names the address is not the head's)
+        roots += [p for p in (processes_naming(address + "\0") if ":" in address else []) if ray_role(p)]
+        return with_descendants(roots)
+
+    mine, named = [], []
+    for _ in range(3):  # again for what started while it stopped (a worker the raylet was starting)
+        if not (new := [p for p in head_processes() if p not in mine]):
+            break
+        named += [f"{pid} {describe(pid)}" for pid in new]
+        mine += new
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in new:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            deadline = time.monotonic() + grace_s
+            while any(not zombie(p) for p in new) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    if left := [n for pid, n in zip(mine, named) if not zombie(pid)]:
+        print(f"kvpool: still running after SIGKILL: {', '.join(left)}", file=sys.stderr)
     os.unlink(path)
     return named
 
@@ -288,15 +307,22 @@ def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None
         if secret_file:
             raise
         secret = None
-    n, stopped = 0, []
     try:
         connect(address, start_local=False)
         n = down(namespace=NAMESPACE, secret=secret)
         ray.shutdown()
-    finally:
+    except BaseException:
         if stop_ray:  # even when the pool could not be reached: only the Ray `kvpool up` started
-            stopped = stop_started_ray()
-    return n, stopped
+            print("\n".join(said_stopped(stop_started_ray())), file=sys.stderr)
+        raise
+    return n, stop_started_ray() if stop_ray else []
+
+
+def said_stopped(stopped: list[str]) -> list[str]:
+    """How `kvpool down` says which processes of the Ray head it stopped ("pid name" each)."""
+    if not stopped:
+        return []
+    return [f"stopped the Ray head `kvpool up` started: {len(stopped)} processes", *(f"  {p}" for p in stopped)]
 
 
 def on_a_pool_node(address: str | None, fn, *args, timeout_s: float = 1800.0, **kwargs):

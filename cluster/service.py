@@ -28,7 +28,7 @@ from kvpool.cluster.peers import StreamTransport
 from kvpool.cluster.placement import Placement
 from kvpool.cluster.publisher import Publisher
 from kvpool.cluster.service_writes import Writes
-from kvpool.errors import Forbidden, KvPoolError, Unavailable
+from kvpool.errors import Forbidden, KvPoolError, Unavailable, UnknownTenant
 from kvpool.keys import ChunkKey, SharedKey
 from kvpool.node import messages as m
 
@@ -72,6 +72,15 @@ class ShardService:
         p = self.auth.verify(credential)
         self.store.tenants.index(p.tenant)
         return p
+
+    def check(self, msg: m.Check) -> dict:
+        """An engine's credential at its start (kvpool.connectors.pool_start): its tenant, and
+        whether this shard serves it (else the tenants it serves, to name in the engine's error)."""
+        try:
+            return {"tenant": self.who(msg.credential).tenant, "served": True}
+        except UnknownTenant:  # the credential verified (who checks it first): the pool secret issued it
+            tenants = sorted(t.id for t in self.store.tenants)
+            return {"tenant": self.auth.verify(msg.credential).tenant, "served": False, "tenants": tenants[:64]}
 
     def writer(self, credential: str, raw, shared: bool) -> tuple[Principal, list[ChunkKey]]:
         """The verified writer and its addresses (only an operator writes the shared namespace)."""

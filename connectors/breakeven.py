@@ -75,8 +75,9 @@ class BreakEven:
                "prefill_ms_per_token": None if cost is None else cost * 1e3,
                "loads": self.loaded, "recomputes": self.recomputed}
         if bytes_per_token and bps and cost:
-            # how many times faster loading a token is than computing it (> 1: load every prefix)
-            out["load_advantage"] = cost / (bytes_per_token / bps * self.margin)
+            # how many times faster loading a token is than computing it (> 1: load every prefix);
+            # margin 0 (always load): the measured ratio
+            out["load_advantage"] = cost / (bytes_per_token / bps * (self.margin or 1.0))
         return out
 
     def maybe_report(self, pool, name: str, bytes_per_token: int, every_s: float = 5.0) -> None:

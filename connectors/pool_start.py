@@ -5,7 +5,9 @@ credential."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Any
 
 from kvpool.connect_cli import DEFAULT_CREDENTIALS
@@ -35,13 +37,15 @@ def node_answers(client, cfg: dict[str, Any]) -> None:
                       "to start without it (recomputing everything until it answers)")
 
 
-def verify_tenants(pool, routes: dict[str, str], cfg: dict[str, Any], engine: str) -> None:
-    """Start-up check of a "node" pool's tenants: each tenant's credential (``routes``: tenant ->
-    what the pool is passed) is verified by the shard, one call each, so that a credential of
-    another pool secret or a tenant the pool does not serve stops the engine at start with the fix
-    (not a 401 on every request). A pool started ``degraded`` that does not answer is not asked."""
+def verify_tenants(pool, routes: dict[str, str], cfg: dict[str, Any], engine: str, connect: str = "vllm") -> None:
+    """Start-up check of a "node" pool's tenants: the shard checks each tenant's credential
+    (``routes``: tenant -> what the pool is passed) as every operation checks it, one call each, so
+    that a missing credential, one of another pool secret or a tenant the pool does not serve stops
+    the engine at start naming the fix (not a 401 on every request). ``cfg``: the connector's pool
+    config as written; ``connect``: the engine's name for `kvpool connect`. A pool started
+    ``degraded`` that does not answer is not asked."""
+    from kvpool.auth import is_credential
     from kvpool.errors import Unauthorized, UnknownTenant
-    from kvpool.node import messages as m
 
     client = getattr(getattr(pool, "part", None), "client", None)
     if client is None:
@@ -49,18 +53,20 @@ def verify_tenants(pool, routes: dict[str, str], cfg: dict[str, Any], engine: st
     where = cfg.get("credentials_file") or DEFAULT_CREDENTIALS
     for tenant, pool_as in routes.items():
         try:
-            client.call(m.Lookup(pool_as, [], False))
+            said = client.check(pool_as)
         except Unauthorized as e:
+            secured = client.secured
             client.close()
-            raise Unauthorized(f"{engine}: the pool does not take tenant {tenant!r}'s credential ({e.message}); "
-                               f"issue it from this pool's secret: run `kvpool connect vllm --tenant {tenant}` on this "
-                               f"node (it writes {where}), or point credentials_file at the pool's credentials") from None
-        except UnknownTenant as e:
-            client.close()
-            e.message = (f"{engine}: tenant {tenant!r} is not one of the pool's tenants: start the pool serving it "
-                         f"(`kvpool up --tenant {tenant}`, or the chart's tenants), or drop it from the connector's "
-                         "tenants")
-            raise e from None
+            if not is_credential(pool_as):  # a secured pool, and no credential found for it anywhere
+                raise Unauthorized(f"{engine}: the pool is secured and tenant {tenant!r} has no credential (none in "
+                                   f"{where}{'' if os.path.exists(os.path.expanduser(where)) else ': no such file'}): "
+                                   f"run `kvpool connect {connect} --tenant {tenant}` on this node (it writes "
+                                   f"{where}), or set credentials_file to a file of the pool's credentials") from None
+            why = "it was issued from another pool secret than the running pool's. " if secured else ""
+            raise Unauthorized(f"{engine}: the pool does not take the credential of tenant {tenant!r} ({e.message}): {why}"
+                               f"Run `kvpool connect "
+                               f"{connect} --tenant {tenant}` on this node (it issues it from the pool's secret into "
+                               f"{where}), or point credentials_file at credentials of this pool's secret") from None
         except Unavailable:
             if cfg.get("degraded"):
                 log.warning("kvpool: %s: tenant %r's credential not verified (the pool does not answer; "
@@ -68,3 +74,13 @@ def verify_tenants(pool, routes: dict[str, str], cfg: dict[str, Any], engine: st
                 continue
             client.close()
             raise
+        if not said.get("served"):
+            client.close()
+            err = UnknownTenant(tenant)
+            served = said.get("tenants") or []
+            drop = ("drop it from the connector's \"tenants\"" if "tenants" in cfg else
+                    f"name the engine's tenants in its config (it names none, so it serves {tenant!r}): "
+                    f"\"tenants\": {json.dumps(served[:1] or ['NAME'])}")
+            err.message = (f"{engine}: tenant {tenant!r} is not one of the pool's tenants {served}: start the pool "
+                           f"serving it (`kvpool up --tenant {tenant}`, with the others), or {drop}")
+            raise err

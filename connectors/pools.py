@@ -7,8 +7,9 @@ chunks whichever engine wrote them.
 Config (a dict; vLLM passes it as ``kv_connector_extra_config``, SGLang as the backend's extra
 config):
 
-- ``backend``: ``"local"`` (default: an in-process pool, shared by every connector of this
-  process that names the same ``pool``) or ``"node"`` (the cluster, through this node's shard);
+- ``backend``: ``"local"`` (an in-process pool, shared by every connector of this process that
+  names the same ``pool``; the default, but vLLM's connector defaults to ``"node"``) or ``"node"``
+  (the pool, through this node's shard);
 - ``"node"`` (:class:`kvpool.node.pool.NodePool`): the engine never joins Ray. It finds its
   node's shard through ``kvpool-<pool>-<shard>.node`` in ``run_dir`` (default
   ``$KVPOOL_RUN_DIR``, else /dev/shm: the shard's), reads same-node hits straight from shared
@@ -25,7 +26,8 @@ config):
   ``request_secret`` (what an API user sends to be served as this tenant) and ``credential`` (the
   tenant's pool credential, ``kvp1...``, for a secured pool); ``tenant``: the one a request
   without a secret is served as;
-- ``credentials_file``: a JSON file ``{tenant: credential}`` (a mounted Kubernetes Secret);
+- ``credentials_file``: a JSON file ``{tenant: credential}`` (a mounted Kubernetes Secret; for a
+  ``"node"`` pool, default ``~/.kvpool/credentials.json``, where `kvpool connect` writes them);
 - ``secret_file``: the pool secret of a *local* pool that should be secured (else
   ``$KVPOOL_SECRET_FILE`` / ``$KVPOOL_SECRET`` when set): the pool then takes credentials, and the
   configured tenants' credentials are issued here. A cluster's engines never hold its secret:
@@ -46,7 +48,9 @@ config):
   fix. ``degraded`` (default false; ``"node"`` only) starts the engine anyway (``start_timeout_s`` then defaults to 0): it
   logs that it runs DEGRADED, recomputing every prompt, until the pool answers (looked for again
   at most every second), and says so in its figures (``PoolHealth``: the connector's stats and
-  its reports to ``kvpool stats``).
+  its reports to ``kvpool stats``). Then the shard checks each tenant's credential, and a missing
+  one, one of another pool secret or a tenant the pool does not serve stops the engine too
+  (:mod:`kvpool.connectors.pool_start`).
 """
 
 from __future__ import annotations
@@ -112,10 +116,16 @@ def unknown_keys(unknown: set, known: set, what: str) -> str:
     return f"unknown {what} {', '.join(guesses)}; known: {sorted(known)}"
 
 
-def check_config(config: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(config) - KNOWN_KEYS
-    if unknown:
-        raise BadRequest(unknown_keys(unknown, KNOWN_KEYS, "kvpool connector settings"))
+def check_keys(config: dict[str, Any], also=frozenset(), what: str = "kvpool connector settings") -> None:
+    """Every key is a pool setting or one of ``also`` (an engine's own); else a BadRequest naming,
+    for each unknown key, the key it likely meant ("did you mean"), then every known key."""
+    if unknown := set(config) - KNOWN_KEYS - set(also):
+        raise BadRequest(unknown_keys(unknown, KNOWN_KEYS | set(also), what))
+
+
+def check_config(config: dict[str, Any], also=frozenset()) -> dict[str, Any]:
+    """The pool config checked (``also``: keys the engine reads itself) and its defaults filled in."""
+    check_keys(config, also)
     backend = config.get("backend", "local")
     if backend not in BACKENDS:
         raise BadRequest(f"kvpool backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))} (a cluster's "

@@ -91,7 +91,8 @@ class KVPoolStorage(HiCacheStorage):
             raise BadRequest(f"the backend's extra config must be a JSON object, got {type(extra).__name__}")
         if "compress" in (extra or {}):
             raise BadRequest(NO_COMPRESS.format(engine="SGLang"))
-        self.config = check_config({k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS})
+        self.written = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}  # the pool config as given
+        self.config = check_config(self.written, also=SGLANG_KEYS)  # a typo of any key: "did you mean"
         tenants = [t if isinstance(t, str) else t.get("id") for t in self.config["tenants"]]
         self.tenant = self.config.get("tenant", tenants[0] if tenants else "default")
         if self.tenant not in tenants:
@@ -152,7 +153,7 @@ class KVPoolStorage(HiCacheStorage):
                              storage_format=self.config["storage_format"])
         self.slicing = Slicing.of(self.spec, c.tp_size, c.tp_rank)
         self.pool = open_pool(self.spec, {**self.config, "chunk_tokens": page_size}, self.slicing)
-        verify_tenants(self.pool, self.tenancy.pool_routes(), self.config, "kvpool's SGLang backend")
+        verify_tenants(self.pool, self.tenancy.pool_routes(), self.written, "kvpool's SGLang backend", "sglang")
         self.page_size = page_size
         self.rank_bytes = self.slicing.rank_spec(self.spec).chunk_nbytes  # a page of this rank
         self._pages = HostPages(host, layout, self.spec.num_layers, heads, head_dim, page_size)

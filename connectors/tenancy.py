@@ -228,7 +228,8 @@ def _read_credentials(path: str) -> dict[str, str]:
     try:
         text = read_private(path, "credentials_file")  # a file others can read: refused, naming the chmod
     except OSError as e:
-        raise BadRequest(f"credentials_file {path}: cannot read it ({e.strerror})") from None
+        raise BadRequest(f"credentials_file {path}: cannot read it ({e.strerror}): `kvpool connect vllm|sglang "
+                         f"--credentials-file {path}` on the pool's node writes it") from None
     try:
         data = json.loads(text)
     except ValueError:

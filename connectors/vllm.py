@@ -1,9 +1,10 @@
 """vLLM V1 KV connector: vLLM loads prompt prefixes from the kvpool and saves new ones into it.
 
 Run it with ``vllm serve MODEL ... --kv-transfer-config CONFIG``, CONFIG what ``kvpool connect vllm``
-prints (the README's quickstart, docs/engines.md): ``"backend": "node"``, the engine reaches its
-node's shard without joining Ray, and the pool outlives the engine (``"local"``: in this process,
-for tests). ``kv_transfer_config(**pool_config)`` builds the dict.
+prints (the README's quickstart, docs/engines.md), a literal written once: by default (backend
+``"node"``) the engine reaches its node's shard without joining Ray, and the pool outlives the
+engine (``"backend": "local"``: in this process, for tests). ``kv_transfer_config(**pool_config)``
+builds the dict.
 The extra config is :mod:`kvpool.connectors.pools`'s plus ``model_id``,
 ``model_revision``, ``model_weights`` and ``breakeven_margin``. Keys carry a fingerprint of the
 checkpoint's files (as the transformers connector's do), so two checkpoints under one name never
@@ -60,7 +61,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connectors.breakeven import BreakEven
@@ -70,7 +70,7 @@ from kvpool.connectors.tenancy import Tenancy
 from kvpool.connectors.vllm_config import split_config
 from kvpool.connectors.vllm_figures import Counts, engine_name
 from kvpool.connectors.vllm_meta import PARAM_TENANT, PoolStepMeta, PoolWorkerMeta, ReqStep, role_of
-from kvpool.connectors.vllm_metrics import FAILURE, PoolPromMetrics, PoolXferStats
+from kvpool.connectors.vllm_metrics import FAILURE, ConnectorMetrics
 from kvpool.connectors.vllm_spec import cache_groups, model_spec, rank_slicing
 from kvpool.connectors.vllm_worker import PoolWorker
 from kvpool.errors import BadRequest
@@ -113,7 +113,7 @@ class _Plan:
     tid: str = ""  # the tenant's id (per-tenant figures)
 
 
-class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
     """The kvpool as vLLM's external prefix cache (``kv_role`` ``kv_both``), or one side of
     prefill/decode disaggregation through the pool (``kv_producer``, ``kv_consumer``)."""
 
@@ -142,8 +142,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if xfer.kv_load_failure_policy != "recompute":
             # NOTE: a chunk that fails to load is a miss that vLLM recomputes (DESIGN); the
             # scheduler reads this after building its connector, so setting it here takes effect.
-            log.warning("KVPoolConnector: kv_load_failure_policy=%r would fail requests on a pool miss; using "
-                        "'recompute' (set it in kv_transfer_config to silence this)", xfer.kv_load_failure_policy)
+            # vLLM's default is "fail", and a config need not say it: not worth a warning.
+            log.info("KVPoolConnector: kv_load_failure_policy 'recompute' (not %r): a chunk the pool cannot return "
+                     "is recomputed, never a failed request", xfer.kv_load_failure_policy)
             xfer.kv_load_failure_policy = "recompute"
         self.spec = model_spec(vllm_config, kv_cache_config, pool_config, own)  # the whole model's, every rank's
         self.groups = cache_groups(kv_cache_config)
@@ -156,7 +157,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.bytes_per_token = self.slicing.rank_spec(self.spec).chunk_nbytes // self.chunk_tokens  # a rank loads
         self.load_min_tokens = int(pool_config.get("load_min_tokens", 0))
         self.breakeven = BreakEven(margin=float(own.get("breakeven_margin", 1.0)))
-        self.counts, self._xfer = Counts(), {}  # _xfer: for vLLM's connector stats, since it last asked
+        self.counts, self._xfer = Counts(), {}  # _xfer: for vLLM's connector stats (ConnectorMetrics)
         self._plans: dict[str, _Plan] = {}
         self.reporter = (Reporter(self.pool, engine_name(self.spec.model_id, vllm_config.model_config.served_model_name),
                                   self.figures) if role == KVConnectorRole.SCHEDULER else None)
@@ -171,30 +172,20 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self.reporter is not None:  # `kvpool stats` shows a load within a second, not at the next heartbeat
             self.reporter.poke()
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """The connector's counters (the worker's arrive with each step's output)."""
+        return self.counts.c
+
     def stats(self) -> dict[str, Any]:
         """Counters (the worker's arrive with each step's output), break-even figures, ``health``."""
         tenancy = self.tenancy.stats() if self.tenancy is not None else {}
         return {**self.counts.c, **tenancy, "breakeven": self.breakeven.stats(), "health": self.health.figures()}
 
     def figures(self) -> dict[str, Any]:
-        """What ``kvpool stats`` shows: ``loads`` that succeeded (a failed one is taken back when the
-        worker says so), tokens loaded and those of failed loads (recomputed, not hits), DEGRADED."""
+        """What ``kvpool stats`` shows: the loads vLLM kept and their tokens (as the worker reports
+        them, never what was planned), those of failed loads (recomputed, not hits), DEGRADED."""
         return self.counts.figures(self.breakeven.stats(self.bytes_per_token), self.health.figures())
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """vLLM's connector stats since it last asked ("KV Transfer metrics"); ``degraded``: 1 while down."""
-        data, self._xfer = self._xfer, {}
-        if self.tenancy is not None and not self.health.up():
-            data["degraded"] = 1
-        return PoolXferStats(data) if data else None
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return PoolXferStats(dict(data or {}))  # vLLM's logger rebuilds the stats from their dict
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> PoolPromMetrics:
-        return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)  # kvpool:* on /metrics
 
     def shutdown(self) -> None:
         if self.reporter is not None:  # `kvpool stats` forgets this engine now, not after its reports lapse
@@ -263,8 +254,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             plan.pending = (lo, lo + num_external_tokens, [list(b) for b in blocks.get_block_ids()])
         else:
             plan.load_tokens = num_external_tokens
-        self.counts.request(plan.tid, plan.prompt_len, num_external_tokens)
-        self._xfer["lookups"] = self._xfer.get("lookups", 0) + 1
+        self.counts.request(plan.tid, plan.prompt_len)
         self._count("requests")
         if num_external_tokens > 0:
             self._count("loads_planned")
@@ -273,6 +263,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         elif plan.declined:
             self._count("recomputed_by_breakeven")
             self.breakeven.recomputed += 1
+        self._xfer_add("lookups")
+        self._xfer_add("declined" if plan.declined and not num_external_tokens else
+                       "misses" if not num_external_tokens else "loads_planned")
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> PoolStepMeta:
         sched = scheduler_output.num_scheduled_tokens
@@ -296,7 +289,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 lo, hi, blocks = plan.pending
                 meta.steps.append(ReqStep(req_id, computed_before=hi, computed_after=hi, block_ids=blocks,
                                           replace_blocks=True, keys=plan.keys, tenant=plan.tenant,
-                                          pool_chunks=plan.pool_chunks, load=(lo, hi), load_async=True))
+                                          pool_chunks=plan.pool_chunks, load=(lo, hi), load_async=True,
+                                          tid=plan.tid))
                 plan.pending, plan.sent = None, True
         return meta
 
@@ -314,7 +308,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         step = ReqStep(req_id, computed_before=computed, computed_after=min(computed + scheduled, plan.prompt_len),
                        block_ids=blocks, replace_blocks=whole_list or not plan.sent)
         if not plan.sent:
-            step.keys, step.tenant, step.pool_chunks = plan.keys, plan.tenant, plan.pool_chunks
+            step.keys, step.tenant, step.pool_chunks, step.tid = plan.keys, plan.tenant, plan.pool_chunks, plan.tid
             plan.sent = True
         if plan.load_tokens:
             step.load = (computed - plan.load_tokens, computed)
@@ -331,9 +325,14 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for nbytes, s in wm.load_samples:
             self.breakeven.observe_load(nbytes, s)
-        if wm.load_samples:  # loads that brought chunks, and their times (Prometheus: kvpool:load_seconds)
-            self._xfer["loads"] = self._xfer.get("loads", 0) + len(wm.load_samples)
-            self._xfer.setdefault("load_seconds", []).extend(s for _, s in wm.load_samples)
+        for tid, kept, s in wm.loads.values():  # the loads that brought tokens vLLM keeps: the pool's hits
+            if kept:
+                self.counts.loaded(tid, kept)
+                self._xfer_add("loads")
+                self._xfer_add("loaded_tokens", kept)
+                self._xfer.setdefault("load_seconds", []).append(s)
+        if wm.loads and self.reporter is not None:
+            self.reporter.poke()
         for tokens, s in wm.prefill_samples:
             self.breakeven.observe_prefill(tokens, s)
         # NOTE: vLLM counted every planned load as a hit when it admitted the request (its
@@ -342,8 +341,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.breakeven.loaded = max(0, self.breakeven.loaded - wm.counters.get("load_failures", 0))
         for k, v in wm.counters.items():
             self._count(k, v)
-            if k in ("loaded_tokens", "load_failures", "failed_tokens") or k.startswith(FAILURE):
-                self._xfer[k] = self._xfer.get(k, 0) + v
+            if k in ("load_failures", "failed_tokens") or k.startswith(FAILURE):
+                self._xfer_add(k, v)
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

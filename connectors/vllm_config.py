@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.connectors.pools import KNOWN_KEYS, NO_COMPRESS, check_config, unknown_keys
+from kvpool.connectors.pools import NO_COMPRESS, check_config, check_keys
 from kvpool.errors import BadRequest
 
 # Settings of the connector itself, taken out of kv_connector_extra_config before the rest goes
@@ -20,13 +20,17 @@ CONNECTOR_KEYS = {
 
 
 def split_config(extra: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pool config, connector settings) out of kv_connector_extra_config; unknown keys are a
-    BadRequest naming both lists."""
+    """(pool config, connector settings) out of kv_connector_extra_config; an unknown key is a
+    BadRequest naming the key it likely meant and every known one. The pool is this node's
+    (``backend`` ``"node"``) unless the config says ``"local"``: so the config a user writes once
+    names nothing but what differs (``{}``: tenant ``default``, its credential where `kvpool
+    connect` writes it, the shard found in the run dir)."""
     extra = dict(extra or {})
-    unknown = set(extra) - KNOWN_KEYS - CONNECTOR_KEYS
-    if unknown:
-        raise BadRequest("KVPoolConnector: " + unknown_keys(unknown, KNOWN_KEYS | CONNECTOR_KEYS,
-                                                            "kv_connector_extra_config keys"))
+    try:
+        check_keys(extra, CONNECTOR_KEYS, "kv_connector_extra_config keys")
+    except BadRequest as e:
+        raise BadRequest(f"KVPoolConnector: {e.message}") from None
+    extra.setdefault("backend", "node")
     own = {k: extra.pop(k) for k in list(extra) if k in CONNECTOR_KEYS}
     if "compress" in extra:
         raise BadRequest(NO_COMPRESS.format(engine="vLLM"))

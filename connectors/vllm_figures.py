@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 MAX_TENANTS_REPORTED = 16  # per-tenant figures in one report (a report holds at most 64 figures)
+MAX_NAME = 256  # an engine's name in a report (kvpool.node.messages)
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -37,6 +38,16 @@ def _option(argv: list[str], name: str) -> str | None:
     return None
 
 
+def _is_server(argv: list[str]) -> bool:
+    """Whether ``argv`` started vLLM's OpenAI server: ``vllm serve`` (the script itself, or the
+    interpreter its ``#!`` line names, then the script), ``python -m vllm.entrypoints.cli.main
+    serve``, or ``python -m vllm.entrypoints.openai.api_server``."""
+    if any(a.endswith("vllm.entrypoints.openai.api_server") for a in argv):
+        return True
+    i = argv.index("serve") if "serve" in argv[1:4] else 0
+    return i > 0 and (os.path.basename(argv[i - 1]) == "vllm" or argv[i - 1].endswith("vllm.entrypoints.cli.main"))
+
+
 def server_address(pid: int | None = None) -> str | None:
     """``host:port`` of the vLLM OpenAI server this process belongs to (it, or the API server that
     started its engine core: the nearest of its ancestors started as ``vllm serve`` or vLLM's
@@ -44,8 +55,7 @@ def server_address(pid: int | None = None) -> str | None:
     pid = os.getpid() if pid is None else pid
     for _ in range(4):
         argv = _cmdline(pid)
-        if any(a == "serve" for a in argv[1:3]) and "vllm" in os.path.basename(argv[0] if argv else "") or \
-                any(a.endswith("vllm.entrypoints.openai.api_server") for a in argv):
+        if _is_server(argv):
             host = _option(argv, "--host") or "0.0.0.0"
             return f"{host}:{_option(argv, '--port') or '8000'}"
         if pid <= 1:
@@ -60,30 +70,38 @@ def engine_name(model: str, served: str | None = None) -> str:
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
     address = server_address()
-    return f"vllm {address} ({served or model})" if address else f"vllm {model} pid {os.getpid()}"
+    name = f"vllm {address} ({served or model})" if address else f"vllm {model} pid {os.getpid()}"
+    return name[:MAX_NAME]
 
 
 class Counts:
-    """The connector's counters (its stats) and its per-tenant tokens."""
+    """The connector's counters (its stats) and its per-tenant tokens. ``loads`` and
+    ``loaded_tokens`` count what the worker loaded and vLLM kept (not what was planned), so the
+    tenants' tokens from the pool add up to the engine's."""
 
     def __init__(self) -> None:
         self.c: dict[str, int] = {}
-        self.tenants: dict[str, list[int]] = {}  # tenant -> [prompt tokens, tokens planned from the pool]
+        self.tenants: dict[str, list[int]] = {}  # tenant -> [prompt tokens, tokens loaded from the pool]
 
     def add(self, name: str, n: int = 1) -> None:
         self.c[name] = self.c.get(name, 0) + n
 
-    def request(self, tenant: str, prompt_tokens: int, pool_tokens: int) -> None:
-        t = self.tenants.setdefault(tenant, [0, 0])
-        t[0] += prompt_tokens
-        t[1] += pool_tokens
+    def request(self, tenant: str, prompt_tokens: int) -> None:
+        """A request admitted (looked up in the pool; the caller counts ``requests``)."""
+        self.tenants.setdefault(tenant, [0, 0])[0] += prompt_tokens
         self.add("prompt_tokens", prompt_tokens)
+
+    def loaded(self, tenant: str, tokens: int) -> None:
+        """A load that brought ``tokens`` tokens vLLM keeps."""
+        self.tenants.setdefault(tenant, [0, 0])[1] += tokens
+        self.add("loads")
+        self.add("loaded_tokens", tokens)
 
     def figures(self, breakeven: dict[str, Any], health: dict[str, Any]) -> dict[str, Any]:
         c = self.c
         out = {**breakeven, **health, **{k: c.get(k, 0) for k in (
-            "requests", "prompt_tokens", "loaded_tokens", "load_failures", "failed_tokens", "degraded_requests",
-            "recomputed_by_breakeven")}}
+            "requests", "prompt_tokens", "loads", "loaded_tokens", "load_failures", "failed_tokens",
+            "degraded_requests", "recomputed_by_breakeven")}}
         for tenant, (prompt, pool) in sorted(self.tenants.items())[:MAX_TENANTS_REPORTED]:
             out[f"tenant {tenant} prompt_tokens"] = prompt
             out[f"tenant {tenant} pool_tokens"] = pool

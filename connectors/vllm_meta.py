@@ -40,6 +40,7 @@ class ReqStep:
     pool_chunks: int = 0  # leading chunks the pool held at lookup (not saved again)
     load: tuple[int, int] | None = None  # token range [lo, hi) to load from the pool this step
     load_async: bool = False  # the load runs after the forward and is reported by request (several groups)
+    tid: str = ""  # the tenant's id, for per-tenant figures (``tenant`` may be a credential), with ``keys``
 
 
 @dataclass
@@ -59,6 +60,10 @@ class PoolWorkerMeta(KVConnectorWorkerMetadata):
     load_samples: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     prefill_samples: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
     counters: dict[str, int] = field(default_factory=dict)
+    # each load run this step, by request: (tenant id, tokens vLLM keeps of it, seconds). Over the
+    # ranks: the tokens every rank loaded (vLLM recomputes from any rank's first failed block), the
+    # slowest rank's time.
+    loads: dict[str, tuple[str, int, float]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
         if not isinstance(other, PoolWorkerMeta):
@@ -66,11 +71,15 @@ class PoolWorkerMeta(KVConnectorWorkerMetadata):
         counters = dict(self.counters)
         for k, v in other.counters.items():
             counters[k] = max(counters.get(k, 0), v)
+        loads = dict(self.loads)
+        for rid, (tid, kept, s) in other.loads.items():
+            mine = loads.get(rid)
+            loads[rid] = (tid, kept, s) if mine is None else (tid, min(mine[1], kept), max(mine[2], s))
         return PoolWorkerMeta(self.load_samples + other.load_samples,
-                              self.prefill_samples + other.prefill_samples, counters)
+                              self.prefill_samples + other.prefill_samples, counters, loads)
 
     def __bool__(self) -> bool:
-        return bool(self.load_samples or self.prefill_samples or self.counters)
+        return bool(self.load_samples or self.prefill_samples or self.counters or self.loads)
 
 
 ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}  # (loads, saves)

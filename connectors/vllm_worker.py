@@ -52,6 +52,7 @@ class _Req:
     # it (vLLM rolls the request back there; with async scheduling a step planned before the
     # rollback may still run on the garbage, and must not be saved).
     dirty_from: int | None = None
+    tid: str = ""  # the tenant's id (per-tenant figures)
 
 
 class _Group:
@@ -153,7 +154,7 @@ class PoolWorker:
             req = self.reqs.get(step.req_id)
             if step.keys is not None:
                 req = self.reqs[step.req_id] = _Req(step.tenant, step.keys, [list(b) for b in step.block_ids],
-                                                    step.pool_chunks)
+                                                    step.pool_chunks, tid=step.tid)
             elif req is None:
                 continue
             elif step.replace_blocks:
@@ -214,11 +215,11 @@ class PoolWorker:
         dt = time.perf_counter() - t0
         self._add("load_us", int(dt * 1e6))
         self._load_s += dt
-        loaded = done - lo
         if done > start:
             self._meta.load_samples.append(((done - start) * self.spec.chunk_nbytes // c, dt))
-        if loaded:
-            self._add("loaded_tokens", loaded)
+        # what vLLM keeps: up to the first failed block; of an asynchronous load that fell short, nothing
+        kept = done - lo if done == hi or report_blocks else 0
+        self._meta.loads[req_id] = (req.tid, kept, dt)
         if done < hi:
             if report_blocks:
                 bs = self.block_size
@@ -230,7 +231,7 @@ class PoolWorker:
             req.saved = min(req.saved, done // c)
             self._add("load_failures")
             self._add(FAILURE + cause_of(why))
-            self._add("failed_tokens", hi - done)
+            self._add("failed_tokens", hi - lo - kept)
         return done
 
     def _chunks(self, req: _Req, c0: int, c1: int) -> Iterator[tuple[int, int, Any]]:

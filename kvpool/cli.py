@@ -223,10 +223,7 @@ def _down(args: argparse.Namespace) -> int:
     ops = _ray_ops(args.ray_address)
 
     n, stopped = ops.cmd_down(args.ray_address, args.stop_ray, args.secret_file)
-    print(f"kvpool is down: {n} shards drained")
-    if stopped:
-        print(f"stopped the Ray head `kvpool up` started: {len(stopped)} processes")
-        print("\n".join(f"  {p}" for p in stopped))
+    print("\n".join([f"kvpool is down: {n} shards drained", *ops.said_stopped(stopped)]))
     return 0
 
 

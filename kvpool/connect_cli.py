@@ -1,13 +1,14 @@
 """``kvpool connect ENGINE``: checks that the pool on this node takes the engine's tenants, writes
 their credentials, and prints the connector config the engine's command line takes:
 
-    kvpool connect vllm --tenant default --tenant acme
-    vllm serve MODEL ... --kv-transfer-config '{"kv_connector":"KVPoolConnector",...}'   # what it printed
+    kvpool connect vllm
+    vllm serve MODEL ... --kv-transfer-config '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool.connectors.vllm","kv_role":"kv_both"}'
 
 The config is the same every time (nothing in it but the engine's settings: no credential, no
-address), so it can be written into the engine's command line once, as a literal; the connector
-finds its pool and credentials itself, and stops the engine at start, naming the fix, when it
-cannot use them (kvpool.connectors.pool_start).
+address; with other tenants than ``default``, ``"kv_connector_extra_config":{"tenants":[...]}``),
+so it can be written into the engine's command line once, as a literal; the connector finds its
+pool and credentials itself, and stops the engine at start, naming the fix, when it cannot use
+them (kvpool.connectors.pool_start).
 
 The engine reaches the pool through its node's shard (connector backend ``"node"``: the engine never
 joins Ray). Its tenants' credentials are issued here from the pool secret (found as ``kvpool up``
@@ -31,31 +32,49 @@ ENGINES = ("vllm", "sglang")
 
 def write_credentials(path: str, credentials: dict[str, str]) -> str:
     """Adds ``{tenant: credential}`` to the credentials file at ``path`` (mode 0600) and returns its
-    absolute path. The file is replaced atomically, a new file under the same name, and keeps every
-    other tenant it held: an engine that runs on it, or starts on it later, keeps its tenants.
-    (A tenant's credential is the same every time the same pool secret issues it.)"""
+    absolute path. The file is never rewritten in place: a new file takes its name atomically
+    (tmp + rename; an engine reading it sees the old one or the new one whole), it keeps every
+    other tenant it held (an engine that runs on them, or restarts on them later, keeps its
+    tenants), and concurrent connects take turns (a lock on its folder). A tenant's credential is
+    the same every time the same pool secret issues it, so nothing new writes nothing."""
+    import fcntl
+
     from kvpool.auth_cli import write_private
     from kvpool.private import read_private
 
     full = os.path.abspath(os.path.expanduser(path))
-    held: dict[str, str] = {}
     try:
-        data = json.loads(read_private(full, "the engine's credentials"))
-        if isinstance(data, dict):
-            held = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
-    except (OSError, ValueError, BadRequest):
-        pass  # none yet, or not ours to keep (one that others can read is replaced by a private one)
-    if all(held.get(t) == c for t, c in credentials.items()):
-        return full  # nothing new: not rewritten
-    return write_private(full, json.dumps({**held, **credentials}), "the engine's credentials", "--credentials-file")
+        os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+        lock = os.open(os.path.dirname(full), os.O_RDONLY)  # its folder: no lock file left beside it
+    except OSError as e:
+        raise BadRequest(f"cannot write the engine's credentials to {full} ({e.strerror}): pass --credentials-file "
+                         "with a path you can write") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        held: dict[str, str] = {}
+        try:
+            data = json.loads(read_private(full, "the engine's credentials"))
+            if isinstance(data, dict):
+                held = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+        except (OSError, ValueError, BadRequest):
+            pass  # none yet, or not ours to keep (one that others can read is replaced by a private one)
+        if all(held.get(t) == c for t, c in credentials.items()):
+            return full  # nothing new: not rewritten
+        return write_private(full, json.dumps({**held, **credentials}), "the engine's credentials",
+                             "--credentials-file")
+    finally:
+        os.close(lock)  # and with it the lock
 
 
-def pool_config(tenants: list[str], chunk_tokens: int, credentials_file: str, pool: str = "default",
+def pool_config(engine: str, tenants: list[str], chunk_tokens: int, credentials_file: str, pool: str = "default",
                 storage_format: str | None = None, degraded: bool = False, run_dir: str | None = None) -> dict:
     """The connector's pool config (kvpool.connectors.pools) for an engine on a node of the pool:
-    only what differs from the connector's defaults, so the default is the short config a user
-    writes once (the credentials in ~/.kvpool/credentials.json, the pool found in the run dir)."""
-    cfg: dict = {"backend": "node", "tenants": list(tenants)}
+    only what differs from the connector's defaults (vLLM's: backend "node", tenant ``default``,
+    the credentials in ~/.kvpool/credentials.json, the shard found in the run dir), so the usual
+    config is the short one a user writes once."""
+    cfg: dict = {} if engine == "vllm" else {"backend": "node"}
+    if list(tenants) != ["default"] or engine != "vllm":
+        cfg["tenants"] = list(tenants)
     if pool != "default":
         cfg["pool"] = pool
     if chunk_tokens != 256:
@@ -76,13 +95,15 @@ KV_ROLES = {"both": "kv_both", "producer": "kv_producer", "consumer": "kv_consum
 
 def engine_config(engine: str, cfg: dict, role: str = "both") -> dict:
     """What the engine's own flag takes: vLLM's ``--kv-transfer-config`` (``role``: both, or the
-    prefill instance's ``producer`` / the decode instance's ``consumer``), SGLang's
-    ``--hicache-storage-backend-extra-config``."""
+    prefill instance's ``producer`` / the decode instance's ``consumer``; the connector makes
+    vLLM recompute what the pool cannot return, so ``kv_load_failure_policy`` need not be said),
+    SGLang's ``--hicache-storage-backend-extra-config``."""
     if role not in KV_ROLES:
         raise BadRequest(f"--role {role!r}: one of {', '.join(KV_ROLES)}")
     if engine == "vllm":
-        return {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
-                "kv_role": KV_ROLES[role], "kv_load_failure_policy": "recompute", "kv_connector_extra_config": cfg}
+        out = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm",
+               "kv_role": KV_ROLES[role]}
+        return {**out, "kv_connector_extra_config": cfg} if cfg else out
     if role != "both":
         raise BadRequest(f"--role {role}: prefill/decode roles are vLLM's (kv_role); SGLang's backend saves and loads")
     if engine == "sglang":
@@ -92,16 +113,17 @@ def engine_config(engine: str, cfg: dict, role: str = "both") -> dict:
 
 
 def check_with_pool(args: argparse.Namespace, tenants: list[str]) -> auth.Authority:
-    """The pool secret's authority, once the node's shard took each tenant's credential issued from
-    it (one call a tenant): a pool that is not up here, a pool secret that is not the pool's and a
-    tenant the pool does not serve are errors naming the fix, before anything is written."""
+    """The pool secret's authority, once the node's shard checked each tenant's credential issued
+    from it (one call a tenant): a pool that is not up here, a pool secret that is not the pool's
+    and a tenant the pool does not serve are errors naming the fix, before anything is written."""
     from kvpool.errors import Unauthorized, Unavailable, UnknownTenant
-    from kvpool.node import messages as m
     from kvpool.node.client import NodeClient
     from kvpool.node.probe import why_down
 
     client = NodeClient(pool=args.pool, directory=args.run_dir, timeout_s=5.0)
     try:
+        # NOTE: the pool first: before `kvpool up` there is no pool secret either, and the fix is
+        # the pool, not a new secret
         why = None if args.degraded else why_down(client)
         if why is not None:
             raise Unavailable(f"no pool is up on this node ({why}): start it with `kvpool up`; or pass --degraded to "
@@ -111,15 +133,16 @@ def check_with_pool(args: argparse.Namespace, tenants: list[str]) -> auth.Author
             return authority
         for t in tenants:
             try:
-                client.call(m.Lookup(authority.issue(t), [], False))
+                said = client.check(authority.issue(t))
             except Unauthorized:
                 raise Unauthorized(f"the pool on this node does not take credentials issued from the pool secret in "
                                    f"{where}: pass the pool's own (--secret-file, as given to `kvpool up`)") from None
-            except UnknownTenant as e:
-                e.message = (f"tenant {t!r} is not one of the pool's tenants: start the pool serving it (`kvpool "
-                             f"down`, then `kvpool up ... --tenant {t}` with the others), or connect the engine as a "
-                             "tenant the pool serves")
-                raise e from None
+            if not said.get("served"):
+                e = UnknownTenant(t)
+                e.message = (f"tenant {t!r} is not one of the pool's tenants {said.get('tenants', [])}: start the pool "
+                             f"serving it (`kvpool down`, then `kvpool up ... --tenant {t}` with the others), or "
+                             "connect the engine as a tenant the pool serves (--tenant NAME)")
+                raise e
     finally:
         client.close()
     return authority
@@ -152,7 +175,7 @@ def _connect(args: argparse.Namespace) -> int:
               file=sys.stderr)
     authority = check_with_pool(args, tenants)
     path = write_credentials(args.credentials_file, {t: authority.issue(t) for t in tenants})
-    cfg = pool_config(tenants, args.chunk_tokens, path, pool=args.pool, storage_format=args.storage_format,
+    cfg = pool_config(args.engine, tenants, args.chunk_tokens, path, pool=args.pool, storage_format=args.storage_format,
                       degraded=args.degraded, run_dir=args.run_dir)
     print(json.dumps(engine_config(args.engine, cfg, args.role), separators=(",", ":")))
     return 0

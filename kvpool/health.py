@@ -33,6 +33,13 @@ HEALTHY_RANGES: dict[str, tuple[float | None, float | None]] = {
     "cancellations_per_hour": (None, 1.0),
 }
 
+# What a figure with no value lacked (its verdict says so instead of a number)
+UNMEASURED = {
+    "hit_rate": "no chunk read through a shard yet (same-node engines read its shared memory: see their hit rates)",
+    "active_occupancy": "no request in flight",
+    "cancellations_per_hour": "no shard answered",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -50,7 +57,8 @@ class Verdict:
     def __str__(self) -> str:
         rng = f"{'' if self.low is None else f'>= {self.low:g}'}{' and ' if self.low is not None and self.high is not None else ''}{'' if self.high is None else f'<= {self.high:g}'}"
         val = "n/a" if self.value is None else f"{self.value:.4g}"
-        verdict = "not judged: nothing measured yet" if self.value is None else "ok" if self.ok else "OUT OF RANGE"
+        verdict = (f"not judged: {UNMEASURED.get(self.figure, 'nothing measured yet')}" if self.value is None else
+                   "ok" if self.ok else "OUT OF RANGE")
         return f"{self.figure:<26}{val:>10}  healthy {rng:<18}{verdict}"
 
 

@@ -57,17 +57,30 @@ RAY_PARTS = (("gcs_server", "gcs server"), ("raylet/raylet", "raylet"), ("ray.ut
              ("ray::RuntimeEnvAgent", "runtime-env agent"), ("ray::", "worker"))
 
 
-def describe(pid: int) -> str:
-    """What a Ray head's process is, in a few words (its command line's first part otherwise)."""
+def _cmdline(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
-        return "gone"
-    for part, name in RAY_PARTS:
+        return None
+
+
+def ray_role(pid: int) -> str | None:
+    """What one of a Ray node's own processes is ("raylet", "ray client server", "worker ray::IDLE",
+    ...); None for any other process."""
+    cmd = _cmdline(pid)
+    for part, name in RAY_PARTS if cmd else ():
         if part in cmd:
             return f"{name} {cmd.split()[0]}" if part == "ray::" else name
-    return os.path.basename(cmd.split()[0]) if cmd else "?"
+    return None
+
+
+def describe(pid: int) -> str:
+    """What a Ray head's process is, in a few words (its command line's first part otherwise)."""
+    cmd = _cmdline(pid)
+    if cmd is None:
+        return "gone"
+    return ray_role(pid) or (os.path.basename(cmd.split()[0]) if cmd else "?")
 
 
 def zombie(pid: int) -> bool:

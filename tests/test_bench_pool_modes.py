@@ -23,7 +23,11 @@ def test_each_mode_starts_reports_and_stops_leaving_nothing():
         figures[mode] = pool.figures
     one, ray = figures["single-node"], figures["ray"]
     assert one["processes"] == 1 and ray["processes"] > 3, (one, ray)  # the pool's process; a Ray head's many
+    what = {p["what"] for p in ray["process_list"]}
+    assert {"gcs server", "raylet", "worker ray::ShardActor"} <= what, what  # the head's session and the shard
+    assert one["pss_less_slab_mib"] == one["pss_mib"] - 8 and one["rss_mib"] >= 8  # the slab is committed at start
     assert one["stats_mode"] == "single-node" and ray["stats_mode"] == "ray"
+    assert one["cpu_s"] >= 0 and ray["cpu_s"] >= 0 and ray["cpu_over_s"] > 0
     assert one["left_running"] == 0 and ray["left_running"] == 0  # `kvpool down` (--stop-ray) stopped it all
     assert 0 < one["pss_mib"] < ray["pss_mib"] and one["up_s"] < ray["up_s"]
     ttft = {"median": 0.02, "min": 0.02, "max": 0.02}

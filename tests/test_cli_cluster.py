@@ -173,10 +173,12 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     token = tmp_path / "ray-token"
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    # every process the head starts inherits this (from `ray start`): the test's own way to find them all
+    mark = {"KVPOOL_TEST_HEAD": secrets.token_hex(8)}
     try:
         # A share of memory is resolved by the shard on its node: one too small for 4 pages is refused there.
         r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a",
-                   "--policy", "tiered", "--secret-file", str(secret))
+                   "--policy", "tiered", "--secret-file", str(secret), env=mark)
         assert r.returncode == 2 and "did not start: --dram 0.0001%" in r.stderr and "raise --dram" in r.stderr, \
             r.stderr[-2000:]
         # The foreign Ray is not joined: `kvpool up` starts a head of its own, and records it.
@@ -184,7 +186,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         assert "with Ray token authentication" in r.stderr and token.stat().st_mode & 0o777 == 0o600
         assert secret.stat().st_mode & 0o777 == 0o600
         r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
-                   "--policy", "tiered", "--secret-file", str(secret))
+                   "--policy", "tiered", "--secret-file", str(secret), env=mark)
         assert r.returncode == 0, r.stderr[-2000:]
         assert "kvpool is up on Ray: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
         assert "starting a local Ray head" not in r.stderr  # the head of the record, still answering
@@ -238,13 +240,20 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         assert r.returncode == 1 and "OUT OF RANGE" in r.stdout and "UNHEALTHY" in r.stdout
     finally:
         head = json.loads(record.read_text()) if record.exists() else {}
+        from kvpool.procs import processes_naming, processes_with_env, ray_role
+
+        entry = "KVPOOL_TEST_HEAD=" + mark["KVPOOL_TEST_HEAD"]
+        services = {p: ray_role(p) for p in processes_with_env(entry)}  # the head's own, before down
+        services = {p: role for p, role in services.items() if role and not role.startswith("worker")}
         r = kvpool("down", "--stop-ray")
     assert r.returncode == 0 and "1 shards drained" in r.stdout
     # every process of the head it started, its client server (port 10001) and its agents too, and it says so
-    for name in ("gcs server", "raylet", "ray client server", "runtime-env agent"):
-        assert name in r.stdout, r.stdout
-    from kvpool.procs import processes_naming
-
+    for name in ("gcs server", "raylet", "ray client server", "runtime-env agent", "dashboard agent"):
+        assert name in services.values(), services
+    for pid, role in services.items():
+        assert f"  {pid} {role}\n" in r.stdout + "\n", (pid, role, r.stdout)
+    time.sleep(0.5)
+    assert processes_with_env(entry) == [], [(p, ray_role(p)) for p in processes_with_env(entry)]  # nothing left
     assert processes_naming(head["session_dir"]) == [] and processes_naming(head["address"] + "\0") == []
     with open(lure, "w") as f:  # `ray start` of kvpool's head named it instead: the foreign head again
         f.write(foreign)

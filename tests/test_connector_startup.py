@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import socket
 import time
 
@@ -189,26 +190,61 @@ def test_stats_show_degraded_engines_failed_loads_and_silence():
 
 
 def test_stats_of_a_vllm_engine_add_up_per_engine_and_per_tenant():
-    """What the vLLM connector reports (connectors/vllm_figures.py): requests, prompt tokens, tokens
-    loaded, per tenant; `kvpool stats` shows the same counts, and per tenant over every engine."""
+    """What the vLLM connector reports (connectors/vllm_figures.py): requests, prompt tokens, the
+    loads that landed and their tokens, per tenant; a load that failed is no load and none of its
+    tokens (whatever the break-even's own tally says); `kvpool stats` shows the same counts, and per
+    tenant over every engine."""
     from kvpool.connectors.vllm_figures import Counts
 
     engines = {}
-    for name, reqs in (("vllm 127.0.0.1:8000 (m)", [("a", 600, 512), ("a", 600, 0), ("b", 300, 0)]),
-                       ("vllm 127.0.0.1:8001 (m)", [("a", 600, 512)])):
+    # (tenant, prompt tokens, tokens loaded and kept, tokens of a load that failed)
+    for name, reqs in (("vllm 127.0.0.1:8000 (m)", [("a", 600, 512, 0), ("a", 600, 0, 0), ("b", 300, 0, 256)]),
+                       ("vllm 127.0.0.1:8001 (m)", [("a", 600, 512, 0)])):
         c = Counts()
-        for tenant, prompt, pool in reqs:
-            c.request(tenant, prompt, pool)
+        for tenant, prompt, kept, failed in reqs:
+            c.request(tenant, prompt)
             c.add("requests")
-            c.add("loaded_tokens", pool)
-        loads = sum(1 for *_, pool in reqs if pool)
-        engines[name] = {**c.figures({"loads": loads, "recomputes": 0, "load_gbps": None,
+            if kept:
+                c.loaded(tenant, kept)
+            if failed:
+                c.add("load_failures")
+                c.add("failed_tokens", failed)
+        engines[name] = {**c.figures({"loads": 7, "recomputes": 0, "load_gbps": None,  # planned: not shown
                                       "prefill_ms_per_token": None}, {"degraded": False}), "tenant": "a"}
     text = format_stats({"version": 0, "shards": {}, "engines": engines})
     assert "1 loads (512 tokens from the pool) in 3 requests of 1500 prompt tokens: token hit rate 34.1%; " \
-           "2 computed (0 of them declined by the break-even)" in text, text
+           "2 computed (0 of them declined by the break-even); 1 failed loads (256 tokens recomputed, not hits)" \
+           in text, text
     assert "1 loads (512 tokens from the pool) in 1 requests of 600 prompt tokens: token hit rate 85.3%" in text
     assert "  a: 1024 of 1800 tokens from the pool (56.9%)" in text and "  b: 0 of 300 tokens from the pool (0.0%)" in text
+    # the quickstart's parse of an engine's line (tests/engines/test_quickstart.py)
+    assert re.findall(r"^\s+(\d+) loads \((\d+) tokens from the pool\)", text, re.M) == [("1", "512"), ("1", "512")]
+
+
+def test_a_break_even_that_always_loads_still_reports_its_figures():
+    """``breakeven_margin`` 0 (load every hit): its figures are the measured ones (a division by the
+    margin made every report after the first load fail, so `kvpool stats` froze at that moment)."""
+    from kvpool.connectors.breakeven import BreakEven
+
+    be = BreakEven(margin=0.0)
+    be.observe_load(1 << 20, 0.001)  # 1 MiB a ms
+    be.observe_prefill(100, 0.1)  # 1 ms a token
+    st = be.stats(1024)  # 1/1024 ms to load a token
+    assert abs(st["load_advantage"] - 1024) < 1e-6 and be.min_tokens(1024) == 0
+
+
+def test_health_says_what_was_not_measured():
+    """A figure with nothing to judge says what it lacked, not a bare n/a; a shard that served no
+    read says so, where its node's engines read from shared memory."""
+    from kvpool.cluster.pool_stats import summarize
+
+    shard = {"uptime_s": 10.0, "active_requests": 0, "chunks": 2, "tenants": {}, "policy_stats": {},
+             "tiers": {"dram": {"chunks": 2, "bytes": 2 << 20, "pages_used": 2, "pages_total": 8}},
+             "metrics": {"hits_chunks": {}, "misses_chunks": {}, "evictions": {}, "cancelled_requests": {}}}
+    text = format_stats(summarize(1, {"s": shard}, {}, "single-node"))
+    (rate,) = [ln for ln in text.splitlines() if ln.strip().startswith("hit_rate")]
+    assert "not judged: no chunk read through a shard yet" in rate and "see their hit rates" in rate, text
+    assert re.search(r"^s\s+dram\s+2\s+2\.0\s+2/8\s+none yet\s+0$", text, re.M), text  # the quickstart's row parse holds
 
 
 def test_the_probe_never_imports_ray(tmp_path):

@@ -5,6 +5,7 @@ purged; a paused Redis is an index outage, not dead shards; leftovers are cleane
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import signal
@@ -262,22 +263,60 @@ def test_slab_files_of_gone_processes_are_swept_and_no_other(tmp_path):
 
 
 def test_down_stops_only_the_ray_that_up_started(tmp_path, monkeypatch):
+    """The head's processes: those with its id in their environment (whatever their command line
+    names), those naming its session, Ray's own naming its address; never another session's, nor a
+    process of somebody's that merely names the address."""
     from kvpool.cluster import ops
 
     session = str(tmp_path / "session_of_ours")
     code = "import time; time.sleep(120)"
-    ours = subprocess.Popen([sys.executable, "-c", code, f"--session-dir={session}"])
-    theirs = subprocess.Popen([sys.executable, "-c", code, "--session-dir=/tmp/ray/session_of_theirs"])
+
+    def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code, *args], env={**os.environ, **(env or {})})
+
+    ours = start(f"--session-dir={session}")
+    by_env = start(env={ops.HEAD_ENV: "0123abcd"})  # an agent the raylet started: it names nothing of the head
+    client = start("-m", "ray.util.client.server", "--address=127.0.0.1:1")  # names only the address
+    theirs = start("--session-dir=/tmp/ray/session_of_theirs")
+    script = start("--address=127.0.0.1:1")  # somebody's driver of that head: not one of Ray's processes
+    other_id = start(env={ops.HEAD_ENV: "0123abce"})
     record = tmp_path / "local-ray.json"
     monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
+    procs = (ours, by_env, client, theirs, script, other_id)
     try:
         assert ops.stop_started_ray() == []  # no record: it started no Ray, it stops none
-        record.write_text(f'{{"address": "127.0.0.1:1", "session_dir": "{session}"}}')
-        assert ops.stop_started_ray(grace_s=5) == [f"{ours.pid} python"]
-        assert ours.wait(timeout=10) is not None and theirs.poll() is None
+        record.write_text(json.dumps({"address": "127.0.0.1:1", "session_dir": session, "head_id": "0123abcd"}))
+        stopped = ops.stop_started_ray(grace_s=5)
+        assert sorted(stopped) == sorted([f"{ours.pid} python", f"{by_env.pid} python",
+                                          f"{client.pid} ray client server"]), stopped
+        for p in (ours, by_env, client):
+            assert p.wait(timeout=10) is not None
+        assert all(p.poll() is None for p in (theirs, script, other_id))
         assert not record.exists()
     finally:
-        for p in (ours, theirs):
+        for p in procs:
             p.kill()
             p.wait()
+
+
+def test_down_says_what_it_stopped_when_the_pool_does_not_answer(tmp_path, monkeypatch, capsys):
+    """`kvpool down --stop-ray` with no pool to drain (its head's GCS gone): it still stops the head's
+    processes, and says which on stderr before the error."""
+    from kvpool.cluster import ops
+
+    session = str(tmp_path / "session_of_ours")
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"--session-dir={session}"])
+    record = tmp_path / "local-ray.json"
+    record.write_text(json.dumps({"address": "127.0.0.1:1", "session_dir": session}))  # nothing answers there
+    monkeypatch.setenv("KVPOOL_LOCAL_RAY_RECORD", str(record))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        with pytest.raises(SystemExit, match="no pool is up"):
+            ops.cmd_down(None, stop_ray=True)
+        err = capsys.readouterr().err
+        assert f"stopped the Ray head `kvpool up` started: 1 processes\n  {ours.pid} python" in err, err
+        assert ours.wait(timeout=10) is not None and not record.exists()
+    finally:
+        ours.kill()
+        ours.wait()
 

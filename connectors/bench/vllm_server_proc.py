@@ -95,7 +95,8 @@ class Server:
         self.port = free_port()
         kv_config = {**kv_transfer_config(**pool), "kv_connector": "TimedKVPoolConnector",
                      "kv_connector_module_path": __name__}
-        self.trace_path = os.path.join(workdir, f"trace-{pool['backend']}-{self.port}.jsonl")  # one per server
+        backend = pool.get("backend", "node")  # vLLM's connector's default: `kvpool connect vllm` leaves it out
+        self.trace_path = os.path.join(workdir, f"trace-{backend}-{self.port}.jsonl")  # one per server
         self.trace_offset = 0
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_RUN_DIR", "RAY_ADDRESS"))}
         env[TRACE_ENV] = self.trace_path
@@ -118,7 +119,7 @@ class Server:
                "--kv-transfer-config", json.dumps(kv_config), *extra_args]
         if multiprocess:
             cmd[5:5] = ["--distributed-executor-backend", "mp"]
-        self.log_path = os.path.join(workdir, f"server-{pool['backend']}-{self.port}.log")
+        self.log_path = os.path.join(workdir, f"server-{backend}-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.conn: http.client.HTTPConnection | None = None

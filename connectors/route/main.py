@@ -30,7 +30,7 @@ def read_config(text: str) -> dict[str, Any]:
                          "--config \"$(kvpool connect vllm)\", or @FILE holding it") from None
     if not isinstance(cfg, dict):
         raise BadRequest("--config: a JSON object (the engines' --kv-transfer-config)")
-    cfg = cfg.get("kv_connector_extra_config", cfg) if "kv_connector" in cfg else cfg
+    cfg = cfg.get("kv_connector_extra_config", {}) if "kv_connector" in cfg else cfg
     tenants = cfg.get("tenants") if isinstance(cfg.get("tenants"), list) else []
     if path is not None and any(isinstance(t, dict) and ({"credential", "request_secret"} & set(t)) for t in tenants):
         from kvpool.private import check_private
@@ -52,7 +52,7 @@ def build(args) -> "RouteService":  # noqa: F821 - imported below
 
     specs = [InstanceSpec.parse(t) for t in args.instance]
     pool_config, own = split_config(read_config(args.config))
-    tenancy = Tenancy(pool_config, fallback="default", engine="kvpool route")
+    tenancy = Tenancy(pool_config, engine="kvpool route")  # as the engines: the first tenant by default
     pool, chunk_tokens, shard = None, int(pool_config.get("chunk_tokens", 256)), ""
     if args.model:
         from kvpool.connectors.route.spec import engine_spec

@@ -84,6 +84,12 @@ class NodeClient(NodeConnection):
             return None
         return at
 
+    def check(self, credential: str) -> dict:
+        """The shard's word on ``credential``, asked once when an engine starts: ``{"tenant",
+        "served"}`` (plus ``"tenants"``, the pool's, when it does not serve it); 401 when it does not
+        verify, Unavailable when the shard does not answer."""
+        return self.call(m.Check(credential))[0]
+
     def _local_run(self, at: _Attached | None, credential: str, keys: Sequence[ChunkKey]) -> int:
         at = self.vouched(at, credential)
         if at is None:

@@ -161,6 +161,16 @@ class Hello(Message):
     """-> the node file's info (kvpool.node.paths)."""
 
 
+@op("check", credential=_text)
+class Check(Message):
+    """A credential checked as every operation checks it (401: not issued from this pool's secret),
+    once, when an engine starts -> ``{"tenant", "served"}``: whether this shard serves its tenant,
+    and when it does not, ``"tenants"``: the ones it does (told only to a caller whose credential
+    verifies: one that only the pool secret's holder can issue)."""
+
+    credential: str
+
+
 @op("lookup", **_READ)
 class Lookup(Message):
     """The leading run of ``keys`` the pool holds for the caller -> ``{"count", "shards", "error"}``."""

@@ -41,10 +41,11 @@ class NodePool:
                     f"--dtype {spec.dtype}`: --model alone sizes pages to the checkpoint's own dtype), or with pages "
                     f"of at least {need} B (`kvpool up --page-size {need}`), or use smaller chunks"))
             if min(pages) >= 2 * need:  # a page holds one chunk: the rest of it is idle
-                log.warning("the pool's pages hold %d B and a payload of %s (%s; a chunk is stored as a slice per KV "
-                            "head) takes %d B: `kvpool up --page-size "
-                            "%d` would hold %dx more chunks in the same memory", min(pages), spec.model_id,
-                            spec.storage_format, need, need, min(pages) // need)
+                log.warning("the pool's pages hold %d B and a payload of %s (%s %s; a chunk is stored as a slice per "
+                            "KV head) takes %d B: pages sized to it (`kvpool up --model MODEL --dtype %s`, or "
+                            "--page-size %d) would hold %dx more chunks in the same memory", min(pages),
+                            spec.model_id, spec.dtype, spec.storage_format, need, spec.dtype, need,
+                            min(pages) // need)
         self.spec = spec
         self.client = client
         self._salts = {t.id: t.salt for t in tenants}

@@ -24,7 +24,7 @@ def test_vllm_refuses_compress():
 
     with pytest.raises(BadRequest, match="vLLM is a paged engine.*cannot load a compressed prefix"):
         split_config(COMPRESS)
-    assert split_config({"dram_mib": 8})[0] == {"dram_mib": 8}  # the check refuses compress only
+    assert split_config({"dram_mib": 8})[0] == {"dram_mib": 8, "backend": "node"}  # it refuses compress only
 
 
 def test_sglang_refuses_compress():

@@ -94,8 +94,10 @@ def test_sglang_keys_are_stripped_and_unknown_keys_are_refused():
 
     ok = extra_config(pool="sgl-keys", prefetch_threshold=128, hicache_storage_pass_prefix_keys=True)
     StorageBackendFactory.create_backend("dynamic", storage_config(ok), None)
-    with pytest.raises(BadRequest, match="unknown kvpool connector settings.*dram_gib"):
+    with pytest.raises(BadRequest, match=r"unknown kvpool connector settings 'dram_gib' \(did you mean 'dram_mib'\?\)"):
         StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(dram_gib=1)), None)
+    with pytest.raises(BadRequest, match=r"'prefetch_treshold' \(did you mean 'prefetch_threshold'\?\)"):
+        StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(prefetch_treshold=1)), None)
     with pytest.raises(BadRequest, match="not among the pool's tenants"):
         StorageBackendFactory.create_backend("dynamic", storage_config(extra_config(tenant="mallory")), None)
     with pytest.raises(BadRequest, match="MLA"):

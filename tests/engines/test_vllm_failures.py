@@ -50,6 +50,15 @@ def host_hits(llm) -> float:
     return total
 
 
+def own(name: str, **labels: str) -> float:
+    """One of the connector's own series (connectors/vllm_metrics.py) on vLLM's Prometheus registry
+    (``LLM.get_metrics`` shows only ``vllm:`` series)."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def run(llm, prompt):
     conn = scheduler_connector(llm)
     before, fig0 = dict(conn.counters), conn.figures()
@@ -67,12 +76,13 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(e
     cold = run(engine, prompt)
     assert cold[2].get("saved_chunks") == 4 and cold[3]["loads"] == 0
     # a good load first: it counts, in kvpool's figures and in vLLM's
-    h0 = host_hits(engine)
+    h0, o0 = host_hits(engine), own("kvpool:loaded_tokens_total")
     warm = run(engine, prompt)
     assert warm[0] == cold[0] and max(abs(a - b) for a, b in zip(warm[1], cold[1])) <= 1e-4
     assert warm[3] == {"loads": 1, "loaded_tokens": 256, "failed_tokens": 0, "load_failures": 0}
     h1 = host_hits(engine)
-    assert h1 - h0 == 256
+    assert h1 - h0 == 256 and own("kvpool:loaded_tokens_total") - o0 == 256  # the connector's own series agree
+    o1, f1 = own("kvpool:loaded_tokens_total"), own("kvpool:load_failures_total", cause="missing")
     # now chunk 0's bytes are corrupted: the lookup lists all four, the load fails at once
     pool = scheduler_connector(engine).pool
     keys = pool.addresses("default", pool.keys("default", prompt[: 4 * CHUNK]))
@@ -87,5 +97,9 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(e
     assert bad[3] == {"loads": 0, "loaded_tokens": 0, "failed_tokens": 256, "load_failures": 1}
     # vLLM's figure: it counted the 256 tokens as host hits at admission, before the load failed
     assert host_hits(engine) - h1 == 256
+    # the connector's own series: no token loaded, one load failed (the pool returned no chunk: its
+    # checksum failed inside the pool, a miss), its 256 tokens recomputed
+    assert own("kvpool:loaded_tokens_total") == o1
+    assert own("kvpool:load_failures_total", cause="missing") - f1 == 1
     again = run(engine, prompt)  # the recompute saved the chunk again: a good load
     assert again[3]["loads"] == 1 and again[3]["loaded_tokens"] == 256

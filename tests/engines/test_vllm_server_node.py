@@ -219,6 +219,18 @@ class Server:
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 
+    def own_metrics(self) -> dict[str, float]:
+        """The connector's own series on the server's /metrics (connectors/vllm_metrics.py), summed
+        over vLLM's labels; a failure cause as ``kvpool:load_failures_total{cause}``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for name, labels, value in re.findall(r'^(kvpool:\w+)(?:\{([^}]*)\})? ([0-9.e+-]+)$', text, re.M):
+            cause = re.search(r'cause="(\w+)"', labels or "")
+            key = f"{name}{{{cause[1]}}}" if cause else name
+            out[key] = out.get(key, 0.0) + float(value)
+        return out
+
     def cached_by_source(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -323,6 +335,77 @@ def test_the_pool_comes_up_and_a_repeated_prompt_is_a_pool_hit(stack):
     for p in PROMPTS[1:]:
         assert ask(server, p, "pool up") == 0  # saved
         assert ask(server, p, "pool up") == WHOLE  # loaded: the same answer
+    # the connector's own series agree with vLLM's count of what its connector supplied (no load failed)
+    hits = sum(1 for h in HOST["pool up"] if h)
+    own, host = server.own_metrics(), server.cached_by_source().get("host", 0.0)
+    assert own["kvpool:loaded_tokens_total"] == host == WHOLE * hits, (own, host)
+    assert own["kvpool:loads_total"] == own["kvpool:load_seconds_count"] == hits, own
+    assert own["kvpool:lookups_total"] >= len(HOST["pool up"]) + len(PROMPTS) + len(FRESH), own  # before the pool too
+    assert own["kvpool:failed_tokens_total"] == 0 and not any(k.startswith("kvpool:load_failures") for k in own), own
+
+
+def test_a_load_that_fails_its_checksum_is_counted_by_cause(stack):
+    """A chunk whose bytes changed in the node's slab after the save: the scheduler's lookup lists it,
+    the worker's in-place read fails its checksum, vLLM recomputes (the same answer). vLLM's own
+    source="host" counts the planned tokens as supplied; the connector's series count a failed load
+    by its cause, and no token loaded."""
+    server, pool = stack
+    prompt = random_prompt(300, seed=41)
+    (node,) = pool.shard_files()
+    with open(os.path.join(pool.run_dir, node)) as f:
+        info = json.load(f)
+    slab, page = info["slab"], info["page_bytes"]
+    before = open(slab, "rb").read()
+    server.reset_local_prefix_cache()
+    TRUTH[tuple(prompt)], _, host = server.complete(prompt, "checksum")  # cold: its 4 chunks saved in the step
+    assert host == 0
+    after = open(slab, "rb").read()
+    changed = [i for i in range(0, len(after), page) if after[i : i + page] != before[i : i + page]]
+    assert changed, "the prompt's chunks were not saved in this node's slab"
+    with open(slab, "r+b") as f:  # one byte of every page the save wrote, flipped
+        for i in changed:
+            j = next(k for k in range(i, i + page) if after[k] != before[k])
+            f.seek(j)
+            f.write(bytes([after[j] ^ 0xFF]))
+    own0, host0 = server.own_metrics(), server.cached_by_source().get("host", 0.0)
+    ask(server, prompt, "checksum")  # the same answer: recomputed
+    deadline = time.monotonic() + 5
+    while (own := server.own_metrics()).get("kvpool:load_failures_total{checksum}", 0) < 1:
+        assert time.monotonic() < deadline, own
+        time.sleep(0.1)
+    assert server.cached_by_source().get("host", 0.0) - host0 == WHOLE  # vLLM: counted at admission
+    failed = {k: v - own0.get(k, 0.0) for k, v in own.items() if k.startswith("kvpool:load_failures_total")}
+    assert failed == {"kvpool:load_failures_total{checksum}": 1}, failed  # read in place: it did not verify
+    assert own["kvpool:loaded_tokens_total"] == own0["kvpool:loaded_tokens_total"], (own0, own)  # no hit
+    assert own["kvpool:loads_total"] == own0["kvpool:loads_total"]
+    assert own["kvpool:failed_tokens_total"] - own0["kvpool:failed_tokens_total"] == WHOLE, own
+
+
+def test_kvpool_stats_names_the_engine_by_its_address_and_agrees_with_metrics(stack):
+    """`kvpool stats` names the engine by its server's address and shows the counts /metrics shows."""
+    server, pool = stack
+    name, deadline = f"vllm 127.0.0.1:{server.port} (tiny)", time.monotonic() + 10
+    while True:  # the engine reports within a second of a load
+        r = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "stats", "--json"], env=pool.env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.stdout, r.stderr[-2000:]
+        engines, own = json.loads(r.stdout)["engines"], server.own_metrics()
+        if engines.get(name, {}).get("requests") == own["kvpool:lookups_total"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert name in engines, (list(engines), r.stderr[-2000:])
+    e = engines[name]
+    assert e["loads"] == own["kvpool:loads_total"] and e["loaded_tokens"] == own["kvpool:loaded_tokens_total"], \
+        json.dumps({"engine": e, "own": own, "now": time.time()})
+    assert e["load_failures"] == own["kvpool:load_failures_total{checksum}"] == 1, (e, own)
+    assert e["requests"] == own["kvpool:lookups_total"] and e["failed_tokens"] == WHOLE, (e, own)
+    assert e["tenant default pool_tokens"] == e["loaded_tokens"], e  # one tenant: its tokens are the engine's
+    text = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "stats"], env=pool.env, capture_output=True, text=True,
+                          timeout=60).stdout
+    print(text)
+    line = text[text.index(f"  {name}"):]
+    assert re.search(rf"^\s+{e['loads']} loads \({e['loaded_tokens']} tokens from the pool\) in {e['requests']} "
+                     rf"requests", line, re.M) and "; 1 failed loads" in line, text
 
 
 def test_redis_killed_the_server_keeps_answering(stack):
