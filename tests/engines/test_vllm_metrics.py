@@ -10,7 +10,9 @@ from conftest import need_engines
 
 need_engines("vllm")
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram  # noqa: E402
+from functools import partial  # noqa: E402
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 from kvpool.connectors.vllm import KVPoolConnector  # noqa: E402
 from kvpool.connectors.vllm_metrics import FAILURE, PoolXferStats, cause_of  # noqa: E402
@@ -18,10 +20,14 @@ from kvpool.errors import Unauthorized, Unavailable  # noqa: E402
 
 
 def test_failures_by_cause_loads_and_their_times_reach_prometheus():
+    # a registry of its own: an engine test before this one in the process registered the series already
+    registry = CollectorRegistry()
     prom = KVPoolConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None),
-                                              {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+                                              {Counter: partial(Counter, registry=registry),
+                                               Gauge: partial(Gauge, registry=registry),
+                                               Histogram: partial(Histogram, registry=registry)},
                                               ["model_name", "engine"], {0: ["m", "0"]})
-    got = lambda name, **labels: REGISTRY.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})  # noqa: E731
+    got = lambda name, **labels: registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})  # noqa: E731
     assert got("kvpool:loads_total") == 0 and got("kvpool:misses_total") == 0  # there from the start, at 0
     # two steps' stats, aggregated as vLLM aggregates them: counts summed, load times joined
     a = PoolXferStats({"lookups": 2, "misses": 1, "loads": 1, "loaded_tokens": 512, "load_seconds": [0.004]})
