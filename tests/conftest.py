@@ -60,6 +60,14 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.1, what: str = "
         time.sleep(interval_s)
 
 
+def vllm_cache_root() -> str:
+    """This user's vLLM cache (what vLLM uses under the real home), for a server started in a
+    scratch ``HOME``: vLLM keeps there what it learnt of a model's architecture, which it otherwise
+    relearns in a subprocess of its own (importing vLLM again) at every server start."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("VLLM_CACHE_ROOT") or os.path.join(cache, "vllm")
+
+
 def need_engines(*modules: str) -> None:
     """For an engine test module, at its top: imports ``modules`` and sets vLLM to run in-process,
     or fails (in CI) / skips the module (elsewhere) naming the virtualenv that has them."""

@@ -267,6 +267,22 @@ def test_the_connector_verifies_each_tenants_credential_at_start(pool, engine_en
             verify_tenants(node_pool(SPEC, NodeClient(timeout_s=5.0), [Tenant("globex")]),
                            {"globex": Authority(SECRET).issue("globex")}, split_config({"tenants": ["globex"]})[0],
                            "test")
+        # several tenants, each with its own problem: one start names them all, each with its fix
+        several = {"acme": forged, "default": "default", "globex": Authority(SECRET).issue("globex")}
+        with pytest.raises(Unauthorized) as caught:
+            verify_tenants(node_pool(SPEC, NodeClient(timeout_s=5.0), [Tenant("acme")]), several,
+                           split_config({"tenants": list(several)})[0], "test")
+        said = caught.value.message
+        assert said.startswith("test: 3 of its tenants cannot use the pool:\n"), said
+        assert "credential of tenant 'acme'" in said and "another pool secret" in said
+        assert "tenant 'default' has no credential" in said and "kvpool connect vllm --tenant default" in said
+        assert "'globex' is not one of the pool's tenants ['acme', 'default']" in said
+        # one good tenant among bad ones is not named
+        with pytest.raises(UnknownTenant) as caught:
+            verify_tenants(node_pool(SPEC, NodeClient(timeout_s=5.0), [Tenant("acme")]),
+                           {"acme": Authority(SECRET).issue("acme"), "globex": Authority(SECRET).issue("globex")},
+                           split_config({"tenants": ["acme", "globex"]})[0], "test")
+        assert caught.value.message.startswith("test: tenant 'globex' is not one of"), caught.value.message
     finally:
         client.close()
     # a pool that does not answer: a start failure, unless the config says degraded (then a warning)

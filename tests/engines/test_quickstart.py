@@ -27,7 +27,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import need_engines
+from conftest import need_engines, vllm_cache_root
 
 need_engines("vllm")
 
@@ -68,7 +68,8 @@ def env_for(home: str, run_dir: str) -> dict:
     smollm2 = env.get("KVPOOL_SMOLLM2_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvpool", "smollm2")
     env.update({"HOME": home, "KVPOOL_RUN_DIR": run_dir, "KVPOOL_SMOLLM2_DIR": smollm2,
                 "KVPOOL_CACHE_DIR": os.path.join(home, "cache"), "HF_HUB_OFFLINE": "1",
-                "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2")})
+                "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"),
+                "VLLM_CACHE_ROOT": vllm_cache_root()})  # vLLM's notes on models, not the pool's: as under the real home
     return env
 
 

@@ -121,7 +121,7 @@ def test_an_instance_killed_mid_workload_fails_only_what_it_was_streaming(bed):
     router = bed.routers["tier-aware"]
     secrets = [bed.secrets[t] for t in bed.ids["tier-aware"]]
     convs = workload(dict(enumerate(secrets)), 2, 1, SYSTEM, USER, bed.cfg.vocab_size, seed=99)
-    results: list[tuple[float, str, object]] = []  # (finished at, outcome, instance or error)
+    results: list[tuple[float, str, object]] = []  # (started at, outcome, instance or error)
     stop = threading.Event()
 
     def client_loop(i: int) -> None:
@@ -130,11 +130,12 @@ def test_an_instance_killed_mid_workload_fails_only_what_it_was_streaming(bed):
         while not stop.is_set():
             conv = convs[(i + n) % len(convs)]
             n += 1
+            started = time.monotonic()
             try:
                 got = c.complete(conv.prompt(0), conv.secret, 64)  # long enough to be streaming when killed
-                results.append((time.monotonic(), "ok", got["instance"]))
+                results.append((started, "ok", got["instance"]))
             except Exception as e:  # noqa: BLE001 - counted: the test's point
-                results.append((time.monotonic(), "failed", repr(e)))
+                results.append((started, "failed", repr(e)))
         c.close()
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(3)]
@@ -152,7 +153,10 @@ def test_an_instance_killed_mid_workload_fails_only_what_it_was_streaming(bed):
         t.join(120)
     failed = [r for r in results if r[1] == "failed"]
     assert len(failed) <= streaming, (streaming, failed)  # at most those in flight on it
-    after = [r for r in results if r[0] > killed_at + 1.5]
+    assert all(r[0] < killed_at for r in failed), (killed_at, failed)  # streaming when it was killed
+    # NOTE: by start, not by end: a killed process's sockets close only once its memory is torn down,
+    # which on a loaded machine takes seconds, so a cut stream can end well after the kill
+    after = [r for r in results if r[0] > killed_at]
     assert after and all(r[1] == "ok" and r[2] != victim_url for r in after), after
     view = state(router)["instances"][1]
     assert not view["up"] and view["why_down"]
