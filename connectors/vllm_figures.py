@@ -48,16 +48,34 @@ def _is_server(argv: list[str]) -> bool:
     return i > 0 and (os.path.basename(argv[i - 1]) == "vllm" or argv[i - 1].endswith("vllm.entrypoints.cli.main"))
 
 
+def _config_file(argv: list[str], pid: int) -> dict[str, Any]:
+    """The settings of ``vllm serve --config FILE`` (a YAML file; relative to the server's working
+    directory), or {} when there is none or it cannot be read."""
+    path = _option(argv, "--config")
+    if not path:
+        return {}
+    try:
+        import yaml
+
+        with open(os.path.join(os.readlink(f"/proc/{pid}/cwd"), path)) as f:
+            got = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - a name for the figures only: the command line's, then vLLM's defaults
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
 def server_address(pid: int | None = None) -> str | None:
     """``host:port`` of the vLLM OpenAI server this process belongs to (it, or the API server that
     started its engine core: the nearest of its ancestors started as ``vllm serve`` or vLLM's
-    ``api_server``); None when it runs under no server (an in-process ``LLM``)."""
+    ``api_server``), as vLLM takes them: the command line's, else its ``--config`` file's, else
+    0.0.0.0:8000; None when it runs under no server (an in-process ``LLM``)."""
     pid = os.getpid() if pid is None else pid
     for _ in range(4):
         argv = _cmdline(pid)
         if _is_server(argv):
-            host = _option(argv, "--host") or "0.0.0.0"
-            return f"{host}:{_option(argv, '--port') or '8000'}"
+            file = _config_file(argv, pid)
+            host = _option(argv, "--host") or file.get("host") or "0.0.0.0"
+            return f"{host}:{_option(argv, '--port') or file.get('port') or '8000'}"
         if pid <= 1:
             return None
         pid = _ppid(pid)

@@ -922,7 +922,8 @@ def test_notes_print_engine_commands_with_the_addresses(tmp_path):
     assert {k: cfg[k] for k in ("kv_connector", "kv_connector_module_path", "kv_role")} == \
         {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.connectors.vllm", "kv_role": "kv_both"}
     extra = cfg["kv_connector_extra_config"]
-    want = {"backend": "node", "pool": "default", "tenants": ["default"], "tenant": "default", "chunk_tokens": 256}
+    want = {"backend": "node", "pool": "default", "tenants": ["default"], "tenant": "default", "chunk_tokens": 256,
+            "start_timeout_s": 600}  # the engine pod may start before the Ray pod: it waits for its shard
     assert extra == want
     assert check_config(extra)["backend"] == "node"  # the connectors' own check accepts it
 
@@ -986,7 +987,8 @@ def test_notes_engine_pod_for_the_node_backend(tmp_path, value_set):
     extra = cfg["kv_connector_extra_config"]
     tenants = [t["id"] for t in vals["pool"]["tenants"]]
     assert extra == {"backend": "node", "pool": "default", "chunk_tokens": vals["pool"]["chunkTokens"],
-                     "tenants": tenants, "tenant": vals["engineTenant"]}
+                     "tenants": tenants, "tenant": vals["engineTenant"],
+                     "start_timeout_s": vals.get("engineStartTimeoutS", 600)}
     assert check_config(extra)["backend"] == "node"
     # the pod part validates as a Kubernetes PodSpec (the image is the operator's)
     c["image"] = "vllm-with-kvpool:latest"

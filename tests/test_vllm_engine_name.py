@@ -27,8 +27,8 @@ def _vllm_script(folder) -> str:
     return path
 
 
-def _run(*argv: str) -> str:
-    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+def _run(*argv: str, cwd=None) -> str:
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=60, cwd=cwd)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.strip()
 
@@ -40,6 +40,18 @@ def test_an_engine_under_vllm_serve_is_named_by_its_servers_address(tmp_path):
     assert _run(vllm, "serve", "/models/m") == "vllm 0.0.0.0:8000 (smol)"  # and port
     # the same script, run by name through its interpreter
     assert _run(sys.executable, vllm, "serve", "/models/m", "--port", "9000") == "vllm 0.0.0.0:9000 (smol)"
+
+
+def test_a_port_set_in_the_servers_config_file_names_it(tmp_path):
+    vllm = _vllm_script(tmp_path)
+    (tmp_path / "serve.yaml").write_text("host: 127.0.0.7\nport: 8321\nmax-model-len: 1024\n")
+    # the file relative to the server's working directory, as vLLM opens it
+    assert _run(vllm, "serve", "/models/m", "--config", "serve.yaml", cwd=tmp_path) == "vllm 127.0.0.7:8321 (smol)"
+    # the command line wins over the file, as in vLLM
+    assert _run(vllm, "serve", "/models/m", f"--config={tmp_path / 'serve.yaml'}", "--port", "9001") == \
+        "vllm 127.0.0.7:9001 (smol)"
+    # a file that cannot be read: vLLM's defaults (vLLM itself would not have started)
+    assert _run(vllm, "serve", "/models/m", "--config", "missing.yaml", cwd=tmp_path) == "vllm 0.0.0.0:8000 (smol)"
 
 
 def test_an_engine_under_no_server_is_named_by_model_and_process(tmp_path):
