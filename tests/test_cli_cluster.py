@@ -240,20 +240,25 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         assert r.returncode == 1 and "OUT OF RANGE" in r.stdout and "UNHEALTHY" in r.stdout
     finally:
         head = json.loads(record.read_text()) if record.exists() else {}
-        from kvpool.procs import processes_naming, processes_with_env, ray_role
+        from kvpool.procs import processes_naming, processes_with_env, ray_role, with_descendants, zombie
 
         entry = "KVPOOL_TEST_HEAD=" + mark["KVPOOL_TEST_HEAD"]
-        services = {p: ray_role(p) for p in processes_with_env(entry)}  # the head's own, before down
+        # the head's own, before down: those its environment names and all below them (an agent the
+        # raylet starts may have rewritten its environment's memory with its process title)
+        services = {p: ray_role(p) for p in with_descendants(processes_with_env(entry))}
         services = {p: role for p, role in services.items() if role and not role.startswith("worker")}
         r = kvpool("down", "--stop-ray")
     assert r.returncode == 0 and "1 shards drained" in r.stdout
     # every process of the head it started, its client server (port 10001) and its agents too, and it says so
-    for name in ("gcs server", "raylet", "ray client server", "runtime-env agent", "dashboard agent"):
+    # NOTE: the agents are not required to be running: on a slow machine Ray's agents may not have
+    # come up (the head serves without them); those that ran are listed and stopped as the rest
+    for name in ("gcs server", "raylet", "ray client server"):
         assert name in services.values(), services
     for pid, role in services.items():
         assert f"  {pid} {role}\n" in r.stdout + "\n", (pid, role, r.stdout)
     time.sleep(0.5)
     assert processes_with_env(entry) == [], [(p, ray_role(p)) for p in processes_with_env(entry)]  # nothing left
+    assert [p for p in services if os.path.exists(f"/proc/{p}") and not zombie(p)] == [], services
     assert processes_naming(head["session_dir"]) == [] and processes_naming(head["address"] + "\0") == []
     with open(lure, "w") as f:  # `ray start` of kvpool's head named it instead: the foreign head again
         f.write(foreign)
