@@ -82,8 +82,7 @@ def test_a_request_in_flight_keeps_its_chunks_on_every_shard_until_it_ends(clust
     listed(here, keys)
     req = here.begin("a", keys)
     assert req.hit_chunks == 30 and set(req.shard_requests) == set(cluster.shards[:2])  # the leases span shards
-    # twice every shard's DRAM together: a batch a slow machine's 2 s timeout drops leaves it more than full
-    flood = make_keys(2 * 3 * 256, seed=13)
+    flood = make_keys(3 * 256 + 100, seed=13)  # more than every shard's DRAM together
     for i in range(0, len(flood), 64):  # in batches, like engines (a batch never evicts itself)
         for c in clients:
             c.put("b", flood[i: i + 64], [truth(j) for j in range(i, min(i + 64, len(flood)))])
