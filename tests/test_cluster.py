@@ -13,6 +13,7 @@ import ray
 from conftest import cluster_pool, make_keys, payload, scrape_metrics, wait_for
 
 from kvpool.cluster.bootstrap import shard_id_of, up
+from kvpool.cluster.members import LOADS_EVERY_S
 
 PAGE = 4096
 TIMEOUT = 2.0
@@ -86,6 +87,14 @@ def test_a_request_in_flight_keeps_its_chunks_on_every_shard_until_it_ends(clust
     for i in range(0, len(flood), 64):  # in batches, like engines (a batch never evicts itself)
         for c in clients:
             c.put("b", flood[i: i + 64], [truth(j) for j in range(i, min(i + 64, len(flood)))])
+    # NOTE: a full node sends new chunks to the shard with the most free pages by the others' loads it
+    # last measured (every LOADS_EVERY_S): once every shard has measured every other full, each node's
+    # own new chunks make its own shard evict
+    time.sleep(2.5 * LOADS_EVERY_S)
+    for n, c in enumerate(clients):
+        more = make_keys(128, seed=20 + n)
+        for i in range(0, len(more), 64):
+            c.put("b", more[i: i + 64], [truth(j) for j in range(i, i + 64)])
     got = here.get("a", keys)
     assert len(got) == 30 and exact(got)
     assert len(here.get("a", others)) < 30  # the same age, not leased: the flood took them
