@@ -45,8 +45,8 @@ def verify_tenants(pool, routes: dict[str, str], cfg: dict[str, Any], engine: st
     start names each tenant's problem and fix. ``cfg``: the connector's pool config as written;
     ``connect``: the engine's name for `kvpool connect`. A pool started ``degraded`` that does not
     answer is not asked."""
-    client = getattr(getattr(pool, "part", None), "client", None)
-    if client is None:
+    client = getattr(getattr(pool, "part", None), "client", None) or getattr(pool, "client", None)
+    if client is None or not hasattr(client, "check"):
         return
     problems: list[KvPoolError] = []
     for tenant, pool_as in routes.items():

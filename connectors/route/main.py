@@ -40,6 +40,7 @@ def read_config(text: str) -> dict[str, Any]:
 
 
 def build(args) -> "RouteService":  # noqa: F821 - imported below
+    from kvpool.connectors.pool_start import verify_tenants
     from kvpool.connectors.pools import open_pool
     from kvpool.connectors.route.costs import OnlineCost
     from kvpool.connectors.route.fleet import Fleet, InstanceSpec
@@ -62,6 +63,7 @@ def build(args) -> "RouteService":  # noqa: F821 - imported below
             raise BadRequest("kvpool route: the engines' pool must be a kvpool cluster's (backend \"node\"): a local "
                              "pool lives inside one engine, and no router can see it")
         pool = open_pool(spec, pool_config)  # the shard must answer (or the config says degraded)
+        verify_tenants(pool, tenancy.pool_routes(), pool_config, "kvpool route")  # as the engines check them
         shard = next(iter(pool.client.shards), "")
     elif args.policy == "tier-aware":
         log.warning("kvpool route: no --model: the pool's tiers are unknown, so requests are routed on the instances' "
