@@ -132,15 +132,13 @@ class NodeServer:
             self.service.writes.unstage(state)  # its staging file, and its tenant's charge for it
 
     def _peer_opened(self, ch: wire.Channel) -> bool:
-        """The peer port's fixed-size opening (kvpool.node.wire.preamble), read within a second:
-        only a holder of the pool's credential gets a header read."""
-        data = bytearray(wire.PREAMBLE.size)
+        """The peer port's opening (kvpool.node.wire.answer_peer), within a second: only a holder of
+        the pool's credential, proven over a fresh nonce of this port's, gets a header read."""
         try:
-            ch.recv_exact(memoryview(data), deadline=time.monotonic() + 1.0)
+            if wire.answer_peer(ch, self.service.links.credential, deadline=time.monotonic() + 1.0):
+                return True
         except (OSError, KvPoolError):
-            return False
-        if wire.check_preamble(bytes(data), self.service.links.credential):
-            return True
+            pass
         self.refused_peers += 1
         log.warning("node: a connection to the peer port without the pool's opening: closed unread")
         return False

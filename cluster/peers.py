@@ -56,11 +56,10 @@ class StreamTransport:
         s = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 0.01))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            wire.send_raw(s, wire.preamble(self.credential), deadline=deadline)
-        except OSError:
+            return wire.open_peer(s, self.credential, deadline=deadline)
+        except (OSError, KvPoolError):
             s.close()
             raise
-        return wire.Channel(s)
 
     def _request(self, address: str, msg: m.Message, payloads, deadline: float, into=None):
         with self._lock:

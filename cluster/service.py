@@ -73,6 +73,11 @@ class ShardService:
         self.store.tenants.index(p.tenant)
         return p
 
+    def prove(self, msg: m.Prove) -> dict:
+        """Proof that this shard holds the pool secret, before a client sends it a credential of
+        ``msg.role`` for ``msg.tenant`` (kvpool.node.trust). Nothing is kept."""
+        return {"proof": self.auth.prove_to(msg.role, msg.tenant, msg.nonce)}
+
     def check(self, msg: m.Check) -> dict:
         """An engine's credential at its start (kvpool.connectors.pool_start): its tenant, and
         whether this shard serves it (else the tenants it serves, to name in the engine's error)."""

@@ -121,6 +121,13 @@ def payload_key(credential: str) -> bytes:
     return _hmac(ns, "kvpool/payload-key", tenant)
 
 
+def shard_proof(credential: str, nonce: bytes) -> str:
+    """What a shard answers to a client's fresh ``nonce`` to prove it holds the pool secret that
+    issued ``credential``, before the client sends it (kvpool.node.connection): the shard issues
+    the credential again from the secret, the client holds it, nobody else can make this."""
+    return _hmac(credential.encode(), "kvpool/shard-proof", nonce).hex()
+
+
 def request_secret(credential: str) -> str:
     """What an engine's API user sends with a request (vLLM's ``cache_salt``, SGLang's extra info)
     to be served as the credential's tenant. It derives from the credential's namespace, so it
@@ -167,6 +174,11 @@ class Authority:
         """A proof that the caller holds the pool secret, bound to ``parts`` (a shard answering a
         controller's challenge: an actor under a shard's name without the secret cannot make it)."""
         return _hmac(self._secret, "kvpool/proof", *parts).hex() if self._secret is not None else ""
+
+    def prove_to(self, role: str, tenant: str, nonce: bytes) -> str:
+        """:func:`shard_proof` for the credential this secret issues to ``tenant`` in ``role`` ("" on an
+        open pool, which has nothing to prove)."""
+        return shard_proof(self.issue(tenant, role), nonce) if self._secret is not None else ""
 
     def proven(self, proof: object, *parts: str) -> bool:
         return self._secret is None or (isinstance(proof, str) and hmac.compare_digest(proof, self.prove(*parts)))

@@ -93,7 +93,7 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
 
     host, port = peer.rsplit(":", 1)
     with sk.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(struct.pack(">I", 64 << 20) + b"x" * wire.PREAMBLE.size)
+        s.sendall(struct.pack(">I", 64 << 20) + b"x" * (len(wire.PEER_MAGIC) + wire.PEER_NONCE))
         try:
             assert s.recv(1) == b""  # closed
         except ConnectionResetError:  # closed with our bytes unread
@@ -134,8 +134,9 @@ def test_announced_bytes_are_refused_on_the_credential_and_never_kept(pool):
                               (at["peer"], m.PeerPut(ALICE, ALICE, key), Forbidden)):
         s = dial(address)
         if address == at["peer"]:  # the pool's opening: what follows is a request of the pool's own
-            s.sendall(wire.preamble(AUTH.pool_credential()))
-        ch = wire.Channel(s)
+            ch = wire.open_peer(s, AUTH.pool_credential(), deadline=time.monotonic() + 5)
+        else:
+            ch = wire.Channel(s)
         for _ in range(2):  # refused, and the stream still in step for the next request
             ch.send([msg.OP, m.WIRE_VERSION, msg.encode(), 5.0, [PAGE]], [np.ones(PAGE, np.uint8)],
                     deadline=time.monotonic() + 5)

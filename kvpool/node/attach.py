@@ -7,6 +7,7 @@ import os
 import time
 
 from kvpool.node.table import PageTable
+from kvpool.node.trust import check_file
 from kvpool.slab import Slab
 
 
@@ -17,6 +18,8 @@ class Attached:
         self.info = info
         self.node_path = node_path
         self.stat = node_stat(node_path)
+        check_file(info["table"], "the page table")  # this user's, in a private dir (kvpool.node.trust)
+        check_file(info["slab"], "the slab")
         self.table = PageTable.attach(info["table"])
         self._fd = os.open(info["table"], os.O_RDONLY)
         self.epoch = self.table.epoch

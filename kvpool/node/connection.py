@@ -9,6 +9,7 @@ chunks, kvpool.node.staging). A shard that does not answer is tried again at mos
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -20,7 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.errors import BadRequest, KvPoolError, Unavailable
+from kvpool import auth
+from kvpool.errors import BadRequest, KvPoolError, Unauthorized, Unavailable
 from kvpool.node import messages as m
 from kvpool.node import wire
 from kvpool.node.attach import Attached as _Attached
@@ -28,6 +30,7 @@ from kvpool.node.attach import node_stat as _stat
 from kvpool.node.paths import node_files, run_dir
 from kvpool.node.staging import Stage
 from kvpool.node.touches import Touches
+from kvpool.node.trust import UntrustedRunDir, check_file, check_peer, check_run_dir
 
 log = logging.getLogger("kvpool.node")
 SHARD_ENV = "KVPOOL_SHARD"
@@ -41,10 +44,13 @@ class NodeConnection:
         self.pool = pool
         self.shard = shard or os.environ.get(SHARD_ENV) or None
         self.directory = run_dir(directory)
+        check_run_dir(self.directory)  # a run dir others can write in is refused at start, with the fix
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.counts: Counter[str] = Counter()
         self._vouched: set[tuple[str, str]] = set()  # (credential, shard incarnation) the shard accepted
+        self._proven: set[tuple[str, str]] = set()  # (credential, shard incarnation) the shard proved it holds
+        self.untrusted: str | None = None  # why the latest file or process found in the run dir was not used
         self.last_credential: str | None = None  # the latest the shard accepted (what reports go with)
         self._stage_warned = False
         self.touches = Touches(self)  # same-node hits, told to the shard in the background
@@ -69,6 +75,7 @@ class NodeConnection:
         live = []
         for path in self.node_files():
             try:
+                check_file(path, "the node file")
                 with open(path) as f:
                     info = json.load(f)
                 if info.get("wire") != m.WIRE_VERSION:
@@ -79,6 +86,8 @@ class NodeConnection:
                     continue
                 sock = self._dial(info["socket"], time.monotonic() + min(self.timeout_s, 0.5))
                 live.append((path, info, sock))
+            except UntrustedRunDir as e:
+                self._distrust(e)
             except (OSError, ValueError, KeyError, KvPoolError):
                 continue
         if len(live) > 1:
@@ -92,6 +101,10 @@ class NodeConnection:
         path, info, sock = live[0]
         try:
             at = _Attached(info, path)
+        except UntrustedRunDir as e:
+            sock.close()
+            self._distrust(e)
+            return None
         except (KvPoolError, OSError, KeyError, ValueError) as e:  # a stale or foreign node file: not a shard
             sock.close()
             log.warning("kvpool: cannot map the node's shard (%s); reads are misses", e)
@@ -106,15 +119,51 @@ class NodeConnection:
         self._next_try = 0.0
         return at
 
+    def _distrust(self, e: UntrustedRunDir) -> None:
+        """A file or process in the run dir that is not this user's: not used, counted, logged once."""
+        self.counts["untrusted"] += 1
+        if self.untrusted != e.message:
+            log.warning("kvpool: %s", e.message)
+        self.untrusted = e.message
+
     def _dial(self, path: str, deadline: float) -> wire.Channel:
+        """A connection to the shard's socket: this user's socket file, and a process of this user
+        behind it (kvpool.node.trust), else UntrustedRunDir."""
+        check_file(path, "the shard's socket", "socket")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(max(deadline - time.monotonic(), 0.01))
             s.connect(path)
+            check_peer(s, path)
             return wire.Channel(s)
-        except OSError:
+        except (OSError, UntrustedRunDir):
             s.close()
             raise
+
+    def _prove(self, sock: wire.Channel, at: _Attached, credential: str, deadline: float) -> None:
+        """Before ``credential`` first goes to this incarnation of the shard: the shard proves it
+        holds the pool secret that issued it (kvpool.auth.shard_proof over a fresh nonce), else 401
+        and the credential is never sent. Bare tenant ids (an open pool) have nothing to hide."""
+        seen = (credential, at.info.get("incarnation"))
+        if seen in self._proven or not auth.is_credential(credential):
+            return
+        role, tenant, _, _ = auth.parse(credential)
+        nonce = os.urandom(16)
+        ok, r, _ = sock.request(m.Prove(role, tenant, nonce), deadline=deadline, timeout_s=self.timeout_s)
+        if not ok:
+            raise wire.decode_error(r)
+        proof = r.get("proof") if isinstance(r, dict) else None
+        if not isinstance(proof, str) or not hmac.compare_digest(proof, auth.shard_proof(credential, nonce)):
+            self.counts["unproven"] += 1
+            why = ("it runs an open pool (no pool secret): give it tenant ids, not credentials" if proof == "" else
+                   "the credential was issued from another pool secret than the shard's, or the process is not "
+                   "the pool's shard")
+            raise Unauthorized(f"the node's shard ({at.info.get('socket')}) did not prove it holds the pool secret "
+                               f"that issued {tenant!r}'s credential, so the credential was not sent: {why}. Issue "
+                               f"the engine's credentials from the running pool's secret (`kvpool connect`)")
+        if len(self._proven) >= 4096:
+            self._proven.clear()
+        self._proven.add(seen)
 
     def _attached(self) -> _Attached | None:
         """The mapped shard, re-mapped when its node file changed (the shard restarted: a new
@@ -153,6 +202,9 @@ class NodeConnection:
         try:
             if sock is None:
                 sock = self._dial(at.info["socket"], deadline)
+            credential = getattr(msg, "credential", None)
+            if credential is not None:
+                self._prove(sock, at, credential, deadline)
             if prepare is not None:
                 msg = prepare(sock, msg, deadline)
             ok, result, got = sock.request(msg, payloads, outs, deadline=deadline, timeout_s=self.timeout_s)
@@ -161,6 +213,9 @@ class NodeConnection:
         except (OSError, KvPoolError) as e:
             if sock is not None:
                 _close(sock)
+            if isinstance(e, UntrustedRunDir):
+                self._distrust(e)
+                raise Unavailable(f"the node's shard was not used: {e.message}") from None
             if isinstance(e, OSError):
                 self._next_try = time.monotonic() + self.retry_s
                 with self._lock:
@@ -172,7 +227,6 @@ class NodeConnection:
             self._idle.append(sock)
         if not ok:
             raise wire.decode_error(result)
-        credential = getattr(msg, "credential", None)
         if credential is not None:  # every operation that takes one verifies it first (cluster/service.py)
             if len(self._vouched) >= 4096:
                 self._vouched.clear()

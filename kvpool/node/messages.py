@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from kvpool.errors import BadRequest
 
-WIRE_VERSION = 4  # bump when an operation's fields or results change meaning
+WIRE_VERSION = 5  # bump when an operation's fields or results change meaning
 MAX_KEYS = 2048  # chunks in one call
 MAX_TEXT = 4096  # a credential, a tenant or shard name, a path
 
@@ -159,6 +159,24 @@ _WRITE = dict(credential=_text, keys=_keys, shared=_flag, first_position=_count,
 @op("hello")
 class Hello(Message):
     """-> the node file's info (kvpool.node.paths)."""
+
+
+def _nonce(v, name):
+    if not isinstance(v, bytes) or not 16 <= len(v) <= 64:
+        raise BadRequest(f"{name} must be 16 to 64 random bytes")
+    return v
+
+
+@op("prove", role=_text, tenant=_text, nonce=_nonce)
+class Prove(Message):
+    """Asked before a client sends a credential of ``role`` for ``tenant`` on this node: the shard
+    answers ``{"proof"}``, :func:`kvpool.auth.shard_proof` of that credential (issued again from the
+    pool secret) over the client's fresh ``nonce``, so a process in the shard's place without the
+    secret gets no credential (kvpool.node.trust). Allocates nothing; needs no credential."""
+
+    role: str
+    tenant: str
+    nonce: bytes
 
 
 @op("check", credential=_text)

@@ -1,6 +1,6 @@
-"""Where a node's files are: the run dir (``$KVPOOL_RUN_DIR``, else /dev/shm) holds each shard's
-socket, page table, slab and node file (``kvpool-<pool>-<shard>.node``: what an engine reads to
-find its node's shard)."""
+"""Where a node's files are: the run dir (``$KVPOOL_RUN_DIR``, else ``/dev/shm/kvpool-<uid>``, a
+private directory: kvpool.node.trust) holds each shard's socket, page table, slab and node file
+(``kvpool-<pool>-<shard>.node``: what an engine reads to find its node's shard)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import glob
 import os
 from collections.abc import Iterator
 
+from kvpool.node.trust import default_run_dir
+
 RUN_DIR_ENV = "KVPOOL_RUN_DIR"
-DEFAULT_RUN_DIR = "/dev/shm"
 
 
 def run_dir(given: str | None = None) -> str:
-    """The run dir: ``given``, else ``$KVPOOL_RUN_DIR``, else /dev/shm."""
-    return given or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR
+    """The run dir: ``given``, else ``$KVPOOL_RUN_DIR``, else ``/dev/shm/kvpool-<uid>``."""
+    return given or os.environ.get(RUN_DIR_ENV) or default_run_dir()
 
 
 def node_paths(directory: str, pool: str, shard_id: str) -> dict[str, str]:

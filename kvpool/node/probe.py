@@ -32,6 +32,8 @@ def why_down(client) -> str | None:
     except BadRequest:
         raise  # several shards answer: the operator must name one
     except KvPoolError as e:
+        if client.untrusted:  # found, but not this user's: say why it was not used
+            return client.untrusted
         sockets = []
         for path in files:
             try:

@@ -30,15 +30,19 @@ from kvpool.errors import BadRequest, KvPoolError, Unavailable
 from kvpool.node import messages
 
 MAX_HEADER = 1 << 20  # a header this large is a bug or an attack (2048 keys take 40 KiB)
-PREAMBLE = struct.Struct(">4sd16s32s")  # magic, time, nonce, HMAC: what a peer sends before any frame
-PREAMBLE_MAGIC = b"KVP3"
-PREAMBLE_SKEW_S = 120.0
+PEER_MAGIC = b"KVP5"  # a peer port's opening (open_peer): magic and nonces, then HMACs, before any frame
+PEER_NONCE = 16
+PEER_MAC = 32
 MAX_PAYLOAD = 1 << 36
 _LEN = struct.Struct(">I")
 
 
 class Timeout(Unavailable):
     """The peer did not answer within the call's deadline."""
+
+
+class PeerUnproven(Unavailable):
+    """A peer port that could not prove it holds the pool's credential: to a shard, no peer at all."""
 
 
 def _left(deadline: float) -> float:
@@ -58,20 +62,41 @@ def send(sock: socket.socket, header: object, payloads: Sequence[np.ndarray] = (
         sock.sendall(memoryview(p).cast("B"))
 
 
-def preamble(key: str, now: float | None = None) -> bytes:
-    """The fixed-size opening a shard sends on another shard's peer port: proof that it holds the
-    pool's credential (``key``), so the port reads no header from anyone else."""
-    now = time.time() if now is None else now
-    nonce = os.urandom(16)
-    mac = hmac.new(key.encode(), PREAMBLE_MAGIC + struct.pack(">d", now) + nonce, hashlib.sha256).digest()
-    return PREAMBLE.pack(PREAMBLE_MAGIC, now, nonce, mac)
+def _peer_mac(key: str, side: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key.encode(), PEER_MAGIC + side + first + second, hashlib.sha256).digest()
 
 
-def check_preamble(data: bytes, key: str) -> bool:
-    """Whether ``data`` (PREAMBLE.size bytes) is a fresh opening made with ``key``."""
-    magic, at, nonce, mac = PREAMBLE.unpack(data)
-    want = hmac.new(key.encode(), PREAMBLE_MAGIC + struct.pack(">d", at) + nonce, hashlib.sha256).digest()
-    return magic == PREAMBLE_MAGIC and abs(time.time() - at) <= PREAMBLE_SKEW_S and hmac.compare_digest(mac, want)
+def open_peer(sock: socket.socket, key: str, *, deadline: float) -> "Channel":
+    """A shard opening another shard's peer port: both prove they hold the pool's credential
+    (``key``) over the other's fresh nonce, before any frame. The dialer sends ``magic, nonce``;
+    the port answers its own nonce and an HMAC over both; the dialer checks it (a port that cannot
+    make it is not the pool's, and is sent nothing more: Unauthorized) and answers its HMAC. Fresh
+    nonces on both sides: a captured opening replays nowhere. The channel, ready for frames."""
+    mine = os.urandom(PEER_NONCE)
+    send_raw(sock, PEER_MAGIC + mine, deadline=deadline)
+    ch = Channel(sock)
+    got = bytearray(PEER_NONCE + PEER_MAC)
+    ch.recv_exact(memoryview(got), deadline=deadline)
+    theirs, mac = bytes(got[:PEER_NONCE]), bytes(got[PEER_NONCE:])
+    if not hmac.compare_digest(mac, _peer_mac(key, b"port", mine, theirs)):
+        raise PeerUnproven("the peer port did not prove it holds the pool's credential: not one of the pool's "
+                           "shards, sent nothing")
+    send_raw(sock, _peer_mac(key, b"dialer", theirs, mine), deadline=deadline)
+    return ch
+
+
+def answer_peer(ch: "Channel", key: str, *, deadline: float) -> bool:
+    """The peer port's side of :func:`open_peer`: whether the dialer proved it holds ``key``
+    (nothing but fixed-size openings is read before that)."""
+    hello = bytearray(len(PEER_MAGIC) + PEER_NONCE)
+    ch.recv_exact(memoryview(hello), deadline=deadline)
+    if bytes(hello[: len(PEER_MAGIC)]) != PEER_MAGIC:
+        return False
+    theirs, mine = bytes(hello[len(PEER_MAGIC):]), os.urandom(PEER_NONCE)
+    send_raw(ch.sock, mine + _peer_mac(key, b"port", theirs, mine), deadline=deadline)
+    mac = bytearray(PEER_MAC)
+    ch.recv_exact(memoryview(mac), deadline=deadline)
+    return hmac.compare_digest(bytes(mac), _peer_mac(key, b"dialer", mine, theirs))
 
 
 def send_raw(sock: socket.socket, data: bytes, *, deadline: float) -> None:
