@@ -11,13 +11,19 @@ log = logging.getLogger("kvpool.controller")
 
 
 class Reports:
-    """The engines' latest reports. One that has not reported for ``EXPIRE_INTERVALS`` of its own
-    report intervals (``every_s`` in its figures; ``LEGACY_TTL_S`` for a connector that reports
-    only when it measured something) is dropped: its process is gone. ``{"goodbye": true}`` drops
-    it at once (a connector that shut down cleanly)."""
+    """The engines' latest reports, one per engine name. A report carries an engine's counts since
+    it started (cumulative), so the latest replaces the one before: nothing is ever summed over
+    reports.
 
-    EXPIRE_INTERVALS = 3
-    LEGACY_TTL_S = 600.0
+    An engine that stops reporting (its process killed) stays listed: ``live()`` marks it
+    ``silent`` once it missed ``SILENT_INTERVALS`` of its own report intervals (``every_s`` in its
+    figures), with ``silent_s`` since its last report. It is forgotten at its goodbye (a connector
+    that shut down cleanly, or an operator's `kvpool stats --forget NAME`), or after
+    ``FORGET_AFTER_S`` without a report. A full table makes room by forgetting the engine silent the
+    longest; with none silent, a new engine is refused (counted)."""
+
+    SILENT_INTERVALS = 3
+    FORGET_AFTER_S = 24 * 3600.0
     MAX_ENGINES = 4096
 
     def __init__(self, clock=time.time) -> None:
@@ -36,21 +42,36 @@ class Reports:
                 name = f"{name} [{tenant}]"
             if figures.get("goodbye"):
                 self._by_name.pop(name, None)
-            elif name in self._by_name or len(self._by_name) < self.MAX_ENGINES:
-                self._by_name[name] = {**figures, "reported_at": self._clock()}
-            else:
+                return
+            now = self._clock()
+            if name not in self._by_name and len(self._by_name) >= self.MAX_ENGINES and not self._make_room(now):
                 self.refused += 1  # the shards cap each tenant's; this caps them all
+                return
+            self._by_name[name] = {**figures, "reported_at": now}
+
+    def _silent(self, f: dict, now: float) -> bool:
+        every = f.get("every_s")
+        return (isinstance(every, (int, float)) and not isinstance(every, bool) and every > 0
+                and now - f["reported_at"] > self.SILENT_INTERVALS * float(every))
+
+    def _make_room(self, now: float) -> bool:
+        silent = [(f["reported_at"], n) for n, f in self._by_name.items() if self._silent(f, now)]
+        if not silent:
+            return False
+        _, name = min(silent)
+        del self._by_name[name]
+        self.expired += 1
+        return True
 
     def live(self) -> dict:
+        """Every engine listed: its latest figures, ``reported_at``, ``silent_s`` (seconds since
+        that report) and ``silent``."""
         now = self._clock()
         with self._lock:
             for name, f in list(self._by_name.items()):
-                every = f.get("every_s")
-                ttl = self.EXPIRE_INTERVALS * float(every) if isinstance(every, (int, float)) and every > 0 \
-                    else self.LEGACY_TTL_S
-                if now - f["reported_at"] > ttl:
+                if now - f["reported_at"] > self.FORGET_AFTER_S:
                     del self._by_name[name]
                     self.expired += 1
-                    log.info("controller: engine %r stopped reporting %.0f s ago: dropped from the reports", name,
-                             now - f["reported_at"])
-            return {name: dict(f) for name, f in self._by_name.items()}
+                    log.info("controller: engine %r silent for %.0f s: forgotten", name, now - f["reported_at"])
+            return {name: {**f, "silent_s": round(now - f["reported_at"], 1), "silent": self._silent(f, now)}
+                    for name, f in self._by_name.items()}

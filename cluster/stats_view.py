@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from kvpool.cluster.node_caps import staging_refused
+from kvpool.cluster.pool_stats import engine_view, tenant_totals
+from kvpool.cluster.reports import Reports
 
 
 def format_stats(st: dict) -> str:
@@ -27,13 +27,15 @@ def format_stats(st: dict) -> str:
         if refused := staging_refused(s.get("staging")):
             lines.append(f"{'':<20}{refused}")
     lines.append("(read hits: chunks found of those asked for through the shard's socket and peer port)")
-    if st.get("engines"):
-        lines += ["", "engines (their connectors' own counts; same-node hits are read from shared memory, without a "
-                  "call the shard could count):"]
-        for name, e in sorted(st["engines"].items()):
-            lines += [f"  {name}" + (f" [reports as {e['tenant']}]" if e.get("tenant") else ""), *_engine(e)]
-        if tenants := _tenants(st["engines"]):
-            lines += ["", "tenants (prompt tokens the engines served from the pool):", *tenants]
+    engines = {name: engine_view(e) for name, e in sorted((st.get("engines") or {}).items())}
+    if engines:
+        lines += ["", "engines (their connectors' own counts, a vLLM engine's as its /metrics counts them; same-node "
+                  "hits are read from shared memory, without a call the shard could count):"]
+        for name, e in engines.items():
+            lines += [f"  {name}" + (f" [reports as {e['tenant']}]" if e.get("tenant") else ""), *_engine(name, e)]
+        if tenants := st.get("tenants") or tenant_totals(engines):
+            lines += ["", "tenants (over the engines listed: prompt tokens, and those the engines took from the pool):",
+                      *(f"  {_tenant(t, f)}" for t, f in tenants.items())]
     if st.get("health_lines"):
         lines += ["", "health (over each shard's life so far):", *("  " + h for h in st["health_lines"])]
         if not st["healthy"]:
@@ -41,8 +43,9 @@ def format_stats(st: dict) -> str:
     return "\n".join(lines)
 
 
-def _engine(e: dict) -> list[str]:
-    """An engine's lines: what it served from the pool and computed, then its break-even measure."""
+def _engine(name: str, e: dict) -> list[str]:
+    """An engine's lines: what it served from the pool and computed, its tenants', its break-even
+    measure, then whether it is degraded or silent."""
     out = []
     loads, loaded = e.get("loads", 0), e.get("loaded_tokens", 0)
     line = f"    {loads} loads ({loaded} tokens from the pool)"
@@ -58,28 +61,30 @@ def _engine(e: dict) -> list[str]:
     if e.get("load_failures"):
         line += f"; {e['load_failures']} failed loads ({e.get('failed_tokens', 0)} tokens recomputed, not hits)"
     out.append(line)
+    if "pool_tokens" in e:
+        out.append(f"    as vLLM counts them: {_share(e['pool_tokens'], e.get('prompt_tokens', 0))} (at admission, "
+                   "a load that then failed included)")
+    out += [f"      {_tenant(t, f)}" for t, f in (e.get("tenants") or {}).items()]
     adv = e.get("load_advantage")
-    out.append(f"    loads {e['load_gbps'] or 0:.2f} GB/s, prefill {e['prefill_ms_per_token'] or 0:.3f} ms/token: loading "
-               f"a token {adv:.0f}x cheaper than computing it" if adv else
+    out.append(f"    loads {e.get('load_gbps') or 0:.2f} GB/s, prefill {e.get('prefill_ms_per_token') or 0:.3f} ms/token: "
+               f"loading a token {adv:.0f}x cheaper than computing it" if adv else
                "    load and prefill speed: not measured yet (after its first load and its first computed prefill)")
     if e.get("degraded"):
         out.append(f"    DEGRADED: its pool does not answer; recomputing every prompt ({e.get('degraded_s', 0):.0f} s "
                    "degraded so far)")
-    if e.get("reported_at") and e.get("every_s"):
-        ago = time.time() - e["reported_at"]
-        if ago > 2 * e["every_s"]:
-            out.append(f"    silent for {ago:.0f} s (reports every {e['every_s']:g} s): its process may be gone")
+    if e.get("silent"):
+        forget = name[: -len(f" [{e['tenant']}]")] if e.get("tenant") and name.endswith(f" [{e['tenant']}]") else name
+        out.append(f"    SILENT for {e.get('silent_s', 0):.0f} s (reports every {e.get('every_s', 0):g} s): its process "
+                   f"may be gone; listed until `kvpool stats --forget '{forget}'` or {Reports.FORGET_AFTER_S / 3600:g} h "
+                   "of silence")
     return out
 
 
-def _tenants(engines: dict) -> list[str]:
-    """Per tenant, over every engine's report: prompt tokens and those served from the pool."""
-    sums: dict[str, list[int]] = {}
-    for e in engines.values():
-        for k, v in e.items():
-            if k.startswith("tenant ") and isinstance(v, (int, float)):
-                _, tenant, what = k.split(" ", 2)
-                s = sums.setdefault(tenant, [0, 0])
-                s[0 if what == "prompt_tokens" else 1] += int(v)
-    return [f"  {t}: {pool} of {prompt} tokens from the pool ({pool / prompt:.1%})" if prompt else f"  {t}: no requests"
-            for t, (prompt, pool) in sorted(sums.items())]
+def _share(pool: int, prompt: int) -> str:
+    return f"{pool} of {prompt} prompt tokens from the pool" + (f" ({pool / prompt:.1%})" if prompt else "")
+
+
+def _tenant(tenant: str, f: dict) -> str:
+    """A tenant's figures: its prompt tokens and those taken from the pool."""
+    return f"{tenant}: " + (_share(f.get("pool_tokens", 0), f["prompt_tokens"]) if f.get("prompt_tokens") else
+                            "no requests")

@@ -336,12 +336,16 @@ class PoolHealth:
 
 class Reporter:
     """Sends a connector's figures to its pool's controller (``kvpool stats``) every ``every_s``
-    from a daemon thread, a heartbeat: the controller drops an engine that stopped reporting
-    (kvpool.cluster.reports.Reports); ``close`` says goodbye. Nothing for a pool that takes no
-    reports (a local one). ``figures`` is held weakly: the thread ends with its connector."""
+    from a daemon thread, a heartbeat: the controller marks an engine that stopped reporting
+    silent (kvpool.cluster.reports.Reports); ``close`` says goodbye. Nothing for a pool that takes
+    no reports (a local one). ``figures`` is held weakly: the thread ends with its connector.
+    ``credential``: what every report goes with (an engine serving several tenants reports as
+    one, its default tenant: the pool keeps an engine's reports apart by the tenant sending them);
+    None: the pool client's choice."""
 
-    def __init__(self, pool, name: str, figures, every_s: float = REPORT_S) -> None:
+    def __init__(self, pool, name: str, figures, every_s: float = REPORT_S, credential: str | None = None) -> None:
         self.name, self.every_s = name, every_s
+        self._as = {"credential": credential} if credential else {}
         self._send = getattr(pool, "report", None)
         self._stop, self._wake = threading.Event(), threading.Event()
         if self._send is None:
@@ -371,7 +375,7 @@ class Reporter:
     def send(self, figures: dict[str, Any]) -> None:
         if self._send is not None:
             try:
-                self._send(self.name, {**figures, "every_s": self.every_s})
+                self._send(self.name, {**figures, "every_s": self.every_s}, **self._as)
             except Exception as e:  # noqa: BLE001 - figures are best effort, never a failed request
                 log.debug("kvpool: report of %s failed (%s)", self.name, e)
 
@@ -381,7 +385,7 @@ class Reporter:
             self._stop.set()
             self._wake.set()
             try:
-                self._send(self.name, {"goodbye": True})
+                self._send(self.name, {"goodbye": True}, **self._as)
             except Exception:  # noqa: BLE001 - the controller forgets it after a few intervals anyway
                 pass
 

@@ -110,7 +110,8 @@ class _Plan:
     looked: bool = False  # a lookup came before this allocation (not an asynchronous load's second one)
     pending: tuple | None = None  # an asynchronous load for the next step: (lo, hi, block ids per group)
     load_failed: bool = False  # an asynchronous load failed: vLLM recomputes the request, nothing is loaded
-    tid: str = ""  # the tenant's id (per-tenant figures)
+    tid: str = ""  # the tenant's id (per-tenant figures; "": no tenant)
+    counted: bool = False  # in the figures (vllm_figures.Counts: once, as vLLM counts it)
 
 
 class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
@@ -159,8 +160,11 @@ class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
         self.breakeven = BreakEven(margin=float(own.get("breakeven_margin", 1.0)))
         self.counts, self._xfer = Counts(), {}  # _xfer: for vLLM's connector stats (ConnectorMetrics)
         self._plans: dict[str, _Plan] = {}
-        self.reporter = (Reporter(self.pool, engine_name(self.spec.model_id, vllm_config.model_config.served_model_name),
-                                  self.figures) if role == KVConnectorRole.SCHEDULER else None)
+        # one engine, one name, one credential (its default tenant's), whichever tenants it serves
+        self.reporter = (Reporter(self.pool, engine_name(self.spec.model_id, vllm_config.model_config.served_model_name,
+                                                         par.data_parallel_index if par.data_parallel_size > 1 else None),
+                                  self.figures, credential=self.tenancy.default.pool_as)
+                         if role == KVConnectorRole.SCHEDULER else None)
         self.worker = (PoolWorker(self.pool, self.slicing.rank_spec(self.spec), self.block_size, vllm_config,
                                   saves=self.saves, cache_groups=self.groups)
                        if role == KVConnectorRole.WORKER else None)
@@ -204,7 +208,7 @@ class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
         route = self.tenancy.route(request.cache_salt, named, request.request_id)
         whole = n // self.chunk_tokens
         if route is None or prompt is None or request.prompt_embeds is not None or whole == 0:
-            plan = _Plan(None, [], n)  # no tenant (a secret that is nobody's), or nothing to key
+            plan = _Plan(None, [], n, tid=route.tenant if route else "")  # no tenant, or nothing to key
         else:
             extra = [f"mm:{f.identifier}" for f in (request.mm_features or [])]
             adapter = request.lora_request.lora_name if request.lora_request is not None else ""
@@ -246,16 +250,18 @@ class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         plan = self._plan(request)
         plan.sent = False  # a new or resumed request: send keys and the whole block list again
-        if plan.tenant is None or not plan.looked:  # (the allocation after an asynchronous load: counted)
+        if not plan.looked:  # (the allocation after an asynchronous load: counted)
             return
         plan.looked = False
+        plan.counted = self.counts.admitted(plan.counted, plan.tid, request, num_external_tokens)
+        if plan.tenant is None:
+            return
         if num_external_tokens > 0 and self.async_loads:
             lo = plan.local
             plan.pending = (lo, lo + num_external_tokens, [list(b) for b in blocks.get_block_ids()])
         else:
             plan.load_tokens = num_external_tokens
-        self.counts.request(plan.tid, plan.prompt_len)
-        self._count("requests")
+        self._count("lookups")
         if num_external_tokens > 0:
             self._count("loads_planned")
             self._count("matched_tokens", num_external_tokens)
@@ -325,9 +331,9 @@ class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
             return
         for nbytes, s in wm.load_samples:
             self.breakeven.observe_load(nbytes, s)
-        for tid, kept, s in wm.loads.values():  # the loads that brought tokens vLLM keeps: the pool's hits
+        for _tid, kept, s in wm.loads.values():  # the loads that brought tokens vLLM keeps: the pool's hits
             if kept:
-                self.counts.loaded(tid, kept)
+                self.counts.loaded(kept)
                 self._xfer_add("loads")
                 self._xfer_add("loaded_tokens", kept)
                 self._xfer.setdefault("load_seconds", []).append(s)
@@ -346,7 +352,9 @@ class KVPoolConnector(ConnectorMetrics, KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        self._plans.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
+        if plan is not None:
+            self.counts.finished(plan.counted, plan.tid, request)
         return False, None  # saves finish inside the step (wait_for_save): the blocks can go now
 
     # ------------------------------------------------------------------ worker side

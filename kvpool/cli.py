@@ -15,6 +15,7 @@ from kvpool.errors import BadRequest, KvPoolError
 from kvpool.jsonout import emit, json_stdout
 from kvpool.route_cli import add_route_parser
 from kvpool.sizing import parse_size
+from kvpool.stats_cli import add_stats_parser
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -227,20 +228,6 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats(args: argparse.Namespace) -> int:
-    from kvpool.cluster.stats_view import format_stats
-
-    st = None if args.ray_address else _stats_here()
-    if st is None:
-        ops = _ray_ops(args.ray_address)
-
-        st = ops.cmd_stats(None if args.ray_address == "local" else args.ray_address)
-    emit(st, default=str) if args.json else print(format_stats(st))
-    if not st["healthy"]:
-        return 1  # NOTE: monitors and readiness probes read the exit code
-    return 0
-
-
 def _ray_ops(address: str | None):
     """kvpool.cluster.ops (the commands' Ray side); where Ray is not installed, no pool runs on this
     machine and no Ray cluster is named, that is the message (not "Ray is not installed")."""
@@ -254,24 +241,6 @@ def _ray_ops(address: str | None):
         raise Unavailable("no pool is up on this machine: start one with `kvpool up` (or name a Ray cluster's "
                           "with --ray-address)") from None
     return ops
-
-
-def _stats_here() -> dict | None:
-    """The pool's stats from this node's shard, on its socket (no Ray: well under a second); None
-    when no shard of the pool runs here."""
-    from kvpool.errors import Unavailable
-    from kvpool.node.client import NodeClient
-    from kvpool.node.paths import node_files, run_dir
-
-    if not node_files(run_dir(), "default"):
-        return None
-    client = NodeClient(timeout_s=10.0)
-    try:
-        return client.shard_stats(pool=True)
-    except Unavailable:
-        return None
-    finally:
-        client.close()
 
 
 def _warmup(args: argparse.Namespace) -> int:
@@ -338,10 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also stop the local Ray head `kvpool up` started (never a Ray someone else started)")
     d2.add_argument("--secret-file", help="the pool secret (default: as for `kvpool up`)")
     d2.set_defaults(func=_down)
-    st = sub.add_parser("stats", help="per shard and tier: chunks, bytes, hit rate, evictions, tenants")
-    st.add_argument("--ray-address", help=RAY_ADDRESS_HELP.format(new=""))
-    st.add_argument("--json", action="store_true")
-    st.set_defaults(func=_stats)
+    add_stats_parser(sub, RAY_ADDRESS_HELP.format(new=""))
 
     w = sub.add_parser("warmup", help="preload and pin prefixes (system prompts, tool schemas) before traffic")
     w.add_argument("file", help='JSON lines: {"tenant": "a", "tokens": [...], "shared": false}')

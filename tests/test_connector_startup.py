@@ -1,9 +1,10 @@
-"""Wrong settings fail loudly at start, and `kvpool stats` forgets engines that are gone.
+"""Wrong settings fail loudly at start, and a connector's reporter heartbeats and says goodbye.
 
 - A connector whose "node" pool does not answer (no node file in ``run_dir``, a stale node file,
   a socket that never answers) does not start: ``Unavailable`` names what did not answer and the
   fix. With ``"degraded": true`` it starts, recomputes, and says DEGRADED in its figures.
-- The controller's reports expire when an engine stops reporting, and go at its goodbye.
+- A connector's figures go to the controller as a heartbeat, and a goodbye when it closes
+  (what `kvpool stats` then shows of them: tests/test_engine_stats.py).
 """
 
 from __future__ import annotations
@@ -117,24 +118,6 @@ class FakeController:
         self.reports.add(name, figures)
 
 
-def test_reports_expire_after_missed_intervals_and_go_at_goodbye():
-    c = FakeController()
-    c.report("vllm a pid 1", {"loads": 1, "recomputes": 0, "every_s": 5.0})
-    c.report("vllm b pid 2", {"loads": 2, "recomputes": 0, "every_s": 5.0})
-    c.report("old connector", {"loads": 3, "recomputes": 0})  # no interval: reports only when it measures
-    c.now += 14  # under 3 intervals
-    assert set(c.reports.live()) == {"vllm a pid 1", "vllm b pid 2", "old connector"}
-    c.report("vllm b pid 2", {"loads": 5, "recomputes": 0, "every_s": 5.0})  # b is alive
-    c.now += 2  # a: 16 s without a report, more than 3 x 5 s
-    live = c.reports.live()
-    assert set(live) == {"vllm b pid 2", "old connector"} and live["vllm b pid 2"]["loads"] == 5
-    assert c.reports.expired == 1
-    c.report("vllm b pid 2", {"goodbye": True})
-    assert set(c.reports.live()) == {"old connector"}
-    c.now += Reports.LEGACY_TTL_S + 1
-    assert c.reports.live() == {}
-
-
 def test_reporter_heartbeats_says_goodbye_and_ends_with_its_connector():
     c = FakeController()
 
@@ -168,57 +151,6 @@ def test_reporter_heartbeats_says_goodbye_and_ends_with_its_connector():
     time.sleep(0.3)
     assert len(c.calls) == seen
     assert Reporter(object(), "local", conn.figures)._send is None  # a local pool takes no reports
-
-
-def test_stats_show_degraded_engines_failed_loads_and_silence():
-    now = time.time()
-    engines = {
-        "vllm m pid 1": {"load_gbps": 1.0, "prefill_ms_per_token": 0.5, "loads": 3, "recomputes": 1,
-                         "load_advantage": 4.0, "load_failures": 2, "failed_tokens": 3584, "degraded": False,
-                         "every_s": 5.0, "reported_at": now},
-        "vllm n pid 2": {"load_gbps": None, "prefill_ms_per_token": None, "loads": 0, "recomputes": 0,
-                         "degraded": True, "degraded_s": 42.0, "every_s": 5.0, "reported_at": now - 12},
-    }
-    text = format_stats({"version": 1, "shards": {}, "engines": engines})
-    m, n = text.split("vllm n pid 2")
-    assert "3 loads (0 tokens from the pool), 1 declined by the break-even; 2 failed loads (3584 tokens " \
-           "recomputed, not hits)" in m and "not measured yet" not in m
-    assert "load and prefill speed: not measured yet" in n
-    assert "DEGRADED" not in m and "silent" not in m
-    assert "DEGRADED: its pool does not answer" in n and "42 s degraded" in n
-    assert "silent for 12 s" in n
-
-
-def test_stats_of_a_vllm_engine_add_up_per_engine_and_per_tenant():
-    """What the vLLM connector reports (connectors/vllm_figures.py): requests, prompt tokens, the
-    loads that landed and their tokens, per tenant; a load that failed is no load and none of its
-    tokens (whatever the break-even's own tally says); `kvpool stats` shows the same counts, and per
-    tenant over every engine."""
-    from kvpool.connectors.vllm_figures import Counts
-
-    engines = {}
-    # (tenant, prompt tokens, tokens loaded and kept, tokens of a load that failed)
-    for name, reqs in (("vllm 127.0.0.1:8000 (m)", [("a", 600, 512, 0), ("a", 600, 0, 0), ("b", 300, 0, 256)]),
-                       ("vllm 127.0.0.1:8001 (m)", [("a", 600, 512, 0)])):
-        c = Counts()
-        for tenant, prompt, kept, failed in reqs:
-            c.request(tenant, prompt)
-            c.add("requests")
-            if kept:
-                c.loaded(tenant, kept)
-            if failed:
-                c.add("load_failures")
-                c.add("failed_tokens", failed)
-        engines[name] = {**c.figures({"loads": 7, "recomputes": 0, "load_gbps": None,  # planned: not shown
-                                      "prefill_ms_per_token": None}, {"degraded": False}), "tenant": "a"}
-    text = format_stats({"version": 0, "shards": {}, "engines": engines})
-    assert "1 loads (512 tokens from the pool) in 3 requests of 1500 prompt tokens: token hit rate 34.1%; " \
-           "2 computed (0 of them declined by the break-even); 1 failed loads (256 tokens recomputed, not hits)" \
-           in text, text
-    assert "1 loads (512 tokens from the pool) in 1 requests of 600 prompt tokens: token hit rate 85.3%" in text
-    assert "  a: 1024 of 1800 tokens from the pool (56.9%)" in text and "  b: 0 of 300 tokens from the pool (0.0%)" in text
-    # the quickstart's parse of an engine's line (tests/engines/test_quickstart.py)
-    assert re.findall(r"^\s+(\d+) loads \((\d+) tokens from the pool\)", text, re.M) == [("1", "512"), ("1", "512")]
 
 
 def test_a_break_even_that_always_loads_still_reports_its_figures():

@@ -228,3 +228,55 @@ def test_a_full_run_dir_is_a_typed_error_the_engine_logs_once_counts_and_serves_
     finally:
         for ch in held:
             ch.close()
+
+
+def test_the_controller_takes_reports_only_from_the_pools_own_processes(pool):
+    """Over Ray, past the shards: a report straight to the controller with no credential, a forged
+    one or a tenant's is refused and kept nowhere (a spoofed "degraded" engine under alice's name);
+    the pool's own with an oversize report is a 400. The shards' forwarding still arrives (above)."""
+    import ray
+
+    from kvpool.cluster.controller import CONTROLLER
+    from kvpool.errors import Forbidden
+
+    ctl = ray.get_actor(CONTROLLER, namespace=NS)
+    spoof = {"degraded": True, "loads": 0, "recomputes": 10**9, "tenant": "alice"}
+    for kwargs, err in (({}, Unauthorized), ({"credential": FORGED}, Unauthorized), ({"credential": ALICE}, Forbidden)):
+        with pytest.raises(err):  # today: kept, shown as alice's engine
+            ray.get(ctl.report.remote("spoofed engine", spoof, **kwargs), timeout=10)
+    with pytest.raises(BadRequest):
+        ray.get(ctl.report.remote("big", {"x": "y" * 100_000}, credential=AUTH.pool_credential()), timeout=10)
+    got = _reports(pool)
+    assert "spoofed engine" not in got and "big" not in got, sorted(got)
+
+
+def test_only_the_engines_tenant_or_the_operator_clears_a_listed_engine(pool, tmp_path, monkeypatch):
+    """`kvpool stats --forget NAME` (an engine listed as silent, its process gone): a goodbye with a
+    credential of the tenant it reports as, issued from the pool secret where that is; another
+    tenant's clears nothing and says whose credential it takes."""
+    import argparse
+
+    from kvpool import stats_cli
+    from kvpool.errors import Forbidden
+
+    name = "vllm gone pid 7"
+    ch = channel(pool["client"])
+    ok, _ = ask(ch, "report", [ALICE, name, {"loads": 1, "every_s": 60.0}])
+    ch.close()
+    assert ok
+    wait_for(lambda: name in _reports(pool), 10, what="the engine's report at the controller")
+    monkeypatch.delenv("KVPOOL_CREDENTIAL", raising=False)
+    monkeypatch.setattr(stats_cli, "FORGET_WAIT_S", 2.0)
+
+    def forget(**kw) -> int:
+        return stats_cli._stats(argparse.Namespace(**{"forget": name, "credential": None, "secret_file": None,
+                                                      "json": False, "ray_address": None, **kw}))
+
+    with pytest.raises(Forbidden, match="only a credential of 'alice' clears it"):
+        forget(credential=BOB)
+    assert name in _reports(pool)
+    secret = tmp_path / "pool-secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    assert forget(secret_file=str(secret)) == 0  # the operator's machine: alice's credential issued from the secret
+    assert name not in _reports(pool)
