@@ -282,16 +282,26 @@ def _recorded_head() -> tuple[str | None, str]:
 def cmd_up(address: str | None, redis: str | None, store: dict, tenants: list[dict],
            secret_file: str | None = None, insecure_ray: bool = False, insecure_redis: bool = False) -> dict:
     """Starts the pool, secured by the pool secret (kvpool.auth_cli.find_secret: --secret-file,
-    $KVPOOL_SECRET_FILE, $KVPOOL_SECRET, or ~/.kvpool/secret, made when missing)."""
+    $KVPOOL_SECRET_FILE, $KVPOOL_SECRET, or ~/.kvpool/secret, made when missing). One at a time on
+    this machine (cluster.up_lock, held until the shards answer): `kvpool up --ray-address local`s
+    started together start one Ray head, and the others place the pool on it (already placed: they
+    find it)."""
     from kvpool.auth_cli import find_secret, secret_path
+    from kvpool.cluster import solo
+    from kvpool.cluster.up_lock import held
+    from kvpool.errors import BadRequest
 
     secret, where = find_secret(secret_file, create=True)  # before Ray: a bad secret file fails fast
     if redis:  # an open Redis is refused before Ray starts (kvpool.index.redis_acl)
         from kvpool.index.redis_acl import check_locked
         check_locked(redis, insecure_redis)
-    connect(address, start_local=True, insecure_ray=insecure_ray)
-    state = up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE, secret=secret,
-               secret_file=secret_path(secret_file, where))
+    with held("kvpool up"):
+        if (rec := solo.running()) is not None:  # again, under the lock: one that started meanwhile
+            raise BadRequest(f"a single-node pool runs on this machine (pid {rec['pid']}): its engines would find two "
+                             "shards here; stop it with `kvpool down` before starting the pool on Ray")
+        connect(address, start_local=True, insecure_ray=insecure_ray)
+        state = up(store=store, tenants=tenants, index_url=redis, namespace=NAMESPACE, secret=secret,
+                   secret_file=secret_path(secret_file, where))
     return {**state, "secret_from": where}
 
 
@@ -307,15 +317,18 @@ def cmd_down(address: str | None, stop_ray: bool, secret_file: str | None = None
         if secret_file:
             raise
         secret = None
-    try:
-        connect(address, start_local=False)
-        n = down(namespace=NAMESPACE, secret=secret)
-        ray.shutdown()
-    except BaseException:
-        if stop_ray:  # even when the pool could not be reached: only the Ray `kvpool up` started
-            print("\n".join(said_stopped(stop_started_ray())), file=sys.stderr)
-        raise
-    return n, stop_started_ray() if stop_ray else []
+    from kvpool.cluster.up_lock import held
+
+    with held("kvpool down"):  # a `kvpool up` under way finishes first: what it starts is stopped
+        try:
+            connect(address, start_local=False)
+            n = down(namespace=NAMESPACE, secret=secret)
+            ray.shutdown()
+        except BaseException:
+            if stop_ray:  # even when the pool could not be reached: only the Ray `kvpool up` started
+                print("\n".join(said_stopped(stop_started_ray())), file=sys.stderr)
+            raise
+        return n, stop_started_ray() if stop_ray else []
 
 
 def said_stopped(stopped: list[str]) -> list[str]:

@@ -95,8 +95,17 @@ def _live_node_files(directory: str) -> list[str]:
 # ---------------------------------------------------------------- `kvpool up`, `kvpool down`
 def start(store: dict, tenants: list[dict], redis: str | None, secret_file: str | None,
           timeout_s: float = START_TIMEOUT_S) -> dict:
-    """Starts the single-node pool's process (or finds it running) and waits until its shard answers
-    on the node's socket; its node file's info, with ``"pid"`` and ``"log"``."""
+    """Starts the single-node pool's process and waits until its shard answers on the node's
+    socket; its node file's info, with ``"pid"`` and ``"log"``. One at a time on this machine
+    (cluster.up_lock, held from the check that none runs until the new one answers, recorded): of
+    `kvpool up`s started together, one starts the pool and the others are refused, naming it."""
+    from kvpool.cluster.up_lock import held
+
+    with held("kvpool up"):
+        return _start(store, tenants, redis, secret_file, timeout_s)
+
+
+def _start(store: dict, tenants: list[dict], redis: str | None, secret_file: str | None, timeout_s: float) -> dict:
     from kvpool.auth import SECRET_FILE_ENV
     from kvpool.auth_cli import find_secret, secret_path
 
@@ -166,7 +175,15 @@ def _tail(logfile: str, lines: int = 15) -> str:
 
 def stop(timeout_s: float = 60.0) -> dict | None:
     """Stops the single-node pool's process (SIGTERM: it drains, then exits; SIGKILL after
-    ``timeout_s``); what it stopped, or None when none runs here."""
+    ``timeout_s``); what it stopped, or None when none runs here. A `kvpool up` under way is waited
+    for (cluster.up_lock), then what it started is stopped."""
+    from kvpool.cluster.up_lock import held
+
+    with held("kvpool down"):
+        return _stop(timeout_s)
+
+
+def _stop(timeout_s: float) -> dict | None:
     rec = running()
     if rec is None:
         return None

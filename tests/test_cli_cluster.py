@@ -177,13 +177,19 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
     mark = {"KVPOOL_TEST_HEAD": secrets.token_hex(8)}
     try:
         # A share of memory is resolved by the shard on its node: one too small for 4 pages is refused there.
-        r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a",
-                   "--policy", "tiered", "--secret-file", str(secret), env=mark)
-        assert r.returncode == 2 and "did not start: --dram 0.0001%" in r.stderr and "raise --dram" in r.stderr, \
-            r.stderr[-2000:]
+        # Two at once (cluster.up_lock): one starts a Ray head, the other waits and places the pool on that head.
+        ups = [subprocess.Popen([sys.executable, "-m", "kvpool.cli", "up", "--ray-address", "local", "--model", str(model),
+                                 "--chunk-tokens", "64", "--dram", "0.0001%", "--tenant", "a", "--policy", "tiered",
+                                 "--secret-file", str(secret)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **mark})
+               for _ in range(2)]
+        errs = [p.communicate(timeout=300)[1] for p in ups]
+        for p, err in zip(ups, errs):
+            assert p.returncode == 2 and "did not start: --dram 0.0001%" in err and "raise --dram" in err, err[-2000:]
+        assert sum("starting a local Ray head" in err for err in errs) == 1, errs  # today: each started one
         # The foreign Ray is not joined: `kvpool up` starts a head of its own, and records it.
-        assert "starting a local Ray head" in r.stderr and json.loads(record.read_text())["address"] != foreign
-        assert "with Ray token authentication" in r.stderr and token.stat().st_mode & 0o777 == 0o600
+        assert json.loads(record.read_text())["address"] != foreign
+        assert "with Ray token authentication" in "".join(errs) and token.stat().st_mode & 0o777 == 0o600
         assert secret.stat().st_mode & 0o777 == 0o600
         r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
                    "--policy", "tiered", "--secret-file", str(secret), env=mark)

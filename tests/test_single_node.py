@@ -130,3 +130,39 @@ def test_a_pool_process_that_cannot_start_fails_up_with_its_reason(no_ray, tmp_p
     r = kvpool(env, "up", "--dram", "32MiB", "--page-size", "4MiB")
     assert r.returncode == 2 and "exited at start" in r.stderr and "NotADirectoryError" in r.stderr, r.stderr[-2000:]
     assert pool_pids(env) == [] and not os.path.exists(os.path.join(env["HOME"], ".kvpool", "pool.json"))
+
+
+def test_ups_at_once_start_one_pool_and_down_leaves_none(no_ray):
+    """Six `kvpool up` at once: one pool process (the one recorded), the others refused naming it;
+    a `kvpool down` while an up starts waits for it and stops it; nothing is left running."""
+    env = no_ray
+    up = [sys.executable, "-m", "kvpool.cli", "up", "--dram", "32MiB", "--page-size", "4MiB"]
+    try:
+        procs = [subprocess.Popen(up, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(6)]
+        done = [(p.returncode, out, err) for p in procs for out, err in [p.communicate(timeout=180)]]
+        started = [out for rc, out, _ in done if rc == 0]
+        assert len(started) == 1, done  # today: three of six started a pool
+        refused = [err for rc, _, err in done if rc != 0]
+        assert all("already up" in err for err in refused), refused
+        (pid,) = pool_pids(env)
+        assert f"(pid {pid}, no Ray)" in started[0]
+        rec = os.path.join(env["HOME"], ".kvpool", "pool.json")
+        assert json.loads(open(rec).read())["pid"] == pid
+        assert os.stat(os.path.join(env["HOME"], ".kvpool", "up.lock")).st_mode & 0o777 == 0o600
+        r = kvpool(env, "down")
+        assert r.returncode == 0 and f"(pid {pid}" in r.stdout, r.stdout + r.stderr
+        assert pool_pids(env) == []
+        # `kvpool down` while an up is starting (its process recorded, not yet answering)
+        starting = subprocess.Popen(up, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: os.path.exists(rec), 60, interval_s=0.01, what="the starting pool's record")
+        down = kvpool(env, "down")
+        out, err = starting.communicate(timeout=180)
+        assert starting.returncode == 0, err  # today: killed at start ("exited at start")
+        (pid,) = [int(w) for w in out.split("(pid ", 1)[1].split(",", 1)[:1]]
+        assert down.returncode == 0 and f"(pid {pid}" in down.stdout, down.stdout + down.stderr
+        assert pool_pids(env) == []
+    finally:
+        for pid in pool_pids(env):  # today: the pools nobody recorded
+            os.kill(pid, signal.SIGKILL)
+
