@@ -9,8 +9,9 @@ shards), or whose node Ray declares dead, leave the membership and their index e
 shards the index lists and the membership lacks (after the controller itself restarted) are adopted, and
 one it cannot reach in ``ADOPT_TRIES`` passes is purged. A dropped shard is fenced: it asks
 ``member`` before rejoining the index and stops serving when the answer is "dropped". The operator
-state (quotas, priorities) it last saw is re-applied when the index comes back empty. Every step
-is idempotent, and the loop logs and survives every exception.
+state (quotas, priorities) it last saw is re-applied when the index comes back empty, as each
+shard re-applies what it saw when it rejoins (kvpool.index.operator_state): whichever comes first,
+the same values. Every step is idempotent, and the loop logs and survives every exception.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import ray
 from kvpool.auth import Authority
 from kvpool.cluster.reports import Reports
 from kvpool.index import open_index
+from kvpool.index.operator_state import OperatorState
 
 log = logging.getLogger("kvpool.controller")
 CONTROLLER = "kvpool-controller"
@@ -51,7 +53,7 @@ class Controller:
         self._lapsed: dict[str, float] = {}  # shard -> when an answering index first showed it lapsed
         self._adopt_failed: dict[str, int] = {}
         self._dropped: set[str] = set()  # shards this controller took out: fenced until registered again
-        self._operator: dict[str, tuple[int, str]] = {}  # tenant -> (quota, priority), as last seen
+        self._operator = OperatorState()  # tenant -> (quota, priority), as last seen in the index
         self.purged = 0
         self._reports = Reports()
         self.incarnation = uuid.uuid4().hex  # a restarted controller (Ray restarts it empty) has a new one
@@ -155,7 +157,7 @@ class Controller:
     def health(self) -> dict:
         return {"passes": self.passes, "errors": self.errors, "shards": sorted(self.shards),
                 "version": self.version, "incarnation": self.incarnation, "purged": self.purged,
-                "dropped": sorted(self._dropped), "operator_state": dict(self._operator)}
+                "dropped": sorted(self._dropped), "operator_state": self._operator.seen()}
 
     # ---------------------------------------------------------------- reconcile loop
     def _run(self) -> None:
@@ -218,18 +220,19 @@ class Controller:
         """Remembers the tenants' quotas and priorities; an index without this controller's epoch
         restarted empty (or was flushed): the operator state comes back from memory."""
         if idx.epoch() is not None:
-            self._operator = {t.id: (t.quota, t.priority) for t in idx.tenants()}
+            self._operator.observe(idx.tenants())
             return
         from kvpool.errors import Forbidden
 
-        for tenant, (quota, priority) in self._operator.items():
-            try:
+        seen = self._operator.seen()
+        for tenant, (quota, priority) in seen.items():
+            try:  # NOTE: one a shard re-created first has these values already: nothing is written
                 idx.add_tenant(tenant, quota, priority)
             except Forbidden as e:
                 log.error("controller: cannot restore tenant %s's quota and priority (%s)", tenant, e)
-        if self._operator:
+        if seen:
             log.warning("controller: the index came back empty; restored %d tenants' quotas and priorities",
-                        len(self._operator))
+                        len(seen))
         idx.set_epoch(self.incarnation)
 
     def _adopt(self, alive: dict[str, bool], idx=None, dead_nodes=frozenset()) -> None:

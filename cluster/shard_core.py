@@ -24,6 +24,7 @@ from kvpool.auth import Authority
 from kvpool.cluster.node_server import NodeServer, sweep_node_files
 from kvpool.cluster.service import ShardService
 from kvpool.errors import BadRequest, Forbidden, KvPoolError
+from kvpool.index.operator_state import OperatorState
 from kvpool.keys import ChunkKey
 from kvpool.node.paths import run_dir
 from kvpool.sizing import resolve_store
@@ -72,6 +73,7 @@ class Shard:
         self.ttl_s = ttl_s
         self.node_id = node_id
         self.tenant_config = tenants
+        self.operator = OperatorState()  # the operator's quotas and priorities, as last seen in the index
         self.members = members
         self._standing = standing
         self._export = export or self.store.stats
@@ -97,10 +99,13 @@ class Shard:
 
         NOTE: a tenant the index already knows keeps its quota and priority (an operator may have
         set them with `kvpool tenants`) unless this shard's config names them explicitly: a node
-        joining must not reset a quota to unlimited."""
+        joining must not reset a quota to unlimited. One the index lost (it restarted empty) is
+        created with the quota and priority this shard last saw there (kvpool.index.operator_state):
+        its Redis user creates a tenant but never changes a quota, so the first values are final."""
         for t in tenants_to_register(self.tenant_config, {t.id for t in self.index.tenants()}):
+            quota, priority = self.operator.wanted(t["id"], t)
             try:
-                self.index.add_tenant(t["id"], t.get("quota_bytes", 2**62), t.get("priority", "normal"))
+                self.index.add_tenant(t["id"], quota, priority)
             except Forbidden as e:  # a shard's Redis user creates tenants, never changes a quota
                 log.warning("shard %s: tenant %s keeps the index's quota and priority (%s): set them with "
                             "`kvpool tenants` as an operator", self.shard_id, t["id"], e)
@@ -120,6 +125,8 @@ class Shard:
                     self.fenced = False
                 except BadRequest:  # the index forgot us (restarted empty, or we were dropped)
                     self._rejoin()
+                else:
+                    self._observe_operator()
                 self.store.expire_holds()
                 self.service.writes.expire_reservations()
                 self.service.expire_requests()
@@ -150,6 +157,14 @@ class Shard:
         self._join()
         log.warning("shard %s: rejoined the index, republished %s", self.shard_id,
                     self.reconcile(self.auth.pool_credential()))
+
+    def _observe_operator(self) -> None:
+        """What the index says of the tenants' quotas and priorities now (the operator may have set
+        them since): what a tenant the index loses is created with again."""
+        try:
+            self.operator.observe(self.index.tenants())
+        except KvPoolError as e:  # the index is down: the values seen last stay
+            log.debug("shard %s: tenants not read from the index (%s)", self.shard_id, e)
 
     def info(self, challenge: str = "") -> dict:
         """What the controller registers; ``proof`` answers its ``challenge`` with the pool secret
@@ -184,6 +199,7 @@ class Shard:
         st["uptime_s"] = time.monotonic() - self.started
         st["active_requests"] = len(self.store.active_requests())
         st["reconcile_refused"] = self.refused
+        st["operator_state"] = {t: list(v) for t, v in self.operator.seen().items()}  # re-applied if the index loses it
         st["fenced"] = self.fenced
         st["node_socket"] = self.node.info["socket"] if getattr(self, "node", None) else None
         st["staging"] = self.service.writes.room.stats()  # engines' staging files here; those refused

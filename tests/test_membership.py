@@ -1,7 +1,9 @@
 """Membership and the index under faults (issue 16), on a real pool: a 3-node Ray cluster on this
-machine, its index in a Redis server of the test's own. A quota refusal never blocks a reconcile;
-operator quotas survive Redis restarting empty; a shard the controller dropped is fenced and
-purged; a paused Redis is an index outage, not dead shards; leftovers are cleaned up."""
+machine, its index in a Redis server of the test's own with the ACL users of kvpool's roles (the
+pool on the shard user's URL, as `kvpool up --redis` requires; the test's own writes as the
+operator). A quota refusal never blocks a reconcile; operator quotas survive Redis restarting
+empty; a shard the controller dropped is fenced and purged; a paused Redis is an index outage,
+not dead shards; leftovers are cleaned up."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import time
 
 import pytest
 import ray
-from conftest import OwnRedis, cluster_pool, free_port, make_keys, payload, wait_for
+from conftest import cluster_pool, free_port, make_keys, payload, wait_for
+from test_redis_acl import AclRedis
 
 from kvpool.cluster.bootstrap import shard_id_of, up
 from kvpool.cluster.controller import ADOPT_TRIES, CONTROLLER
 from kvpool.cluster.shard import DRILLS_ENV, shard_name
 from kvpool.errors import BadRequest, KvPoolError, Unavailable
-from kvpool.index.redis_index import RedisIndex
 from kvpool.keys import ChunkKey
 from kvpool.node import messages as m
 from kvpool.slab import sweep_orphans
@@ -38,9 +40,9 @@ SETTLING = (ray.exceptions.RayError, KvPoolError)
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory):
-    r = OwnRedis(tmp_path_factory.mktemp("redis"))
+    r = AclRedis(tmp_path_factory.mktemp("redis"))
     yield r
-    r.kill()
+    r.server.kill()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,8 @@ def cluster(redis, tmp_path_factory):
     mp.setenv(DRILLS_ENV, "1")
     up_kw = {k: v for k, v in UP.items() if k != "namespace"}
     try:
-        with cluster_pool(str(tmp_path_factory.mktemp("run")), 3, NS, system_config=fast, index_url=redis.url,
+        with cluster_pool(str(tmp_path_factory.mktemp("run")), 3, NS, system_config=fast,
+                          index_url=redis.url("shard"),
                           **up_kw) as cp:
             yield cp
     finally:
@@ -66,7 +69,7 @@ def client(cluster):
 
 @pytest.fixture
 def idx(redis):
-    i = RedisIndex(redis.url)
+    i = redis.index("operator")
     yield i
     i.close()
 
@@ -131,24 +134,46 @@ def test_a_reconcile_publishes_what_it_can_and_drops_what_the_index_refuses(clie
 
 
 def test_operator_quotas_survive_redis_restarted_empty(cluster, client, redis, idx):
+    """Whoever re-creates a tenant in the empty Redis first (a shard rejoining, or the controller)
+    creates it with the operator's quota and priority: the shard user creates a tenant but never
+    changes a quota, so the first values are final. Once after a plain restart (shards and the
+    controller race), once when the controller restarted with Redis (its memory gone)."""
     sids = ring()[1]
     idx.set_quota("b", 12345)
     idx.set_priority("b", "high")
-    time.sleep(2.0)  # a few controller passes: it has seen the operator state
-    redis.restart()  # empty
+
+    def seen_by_every_shard() -> bool:
+        return all(ray.get(shard(s).stats.remote(), timeout=10)["operator_state"].get("b") == [12345, "high"]
+                   for s in sids)
 
     def restored() -> bool:
-        fresh = RedisIndex(redis.url)
+        fresh = redis.index("operator")
         try:
             return [(t.quota, t.priority) for t in fresh.tenants() if t.id == "b"] == [(12345, "high")]
         finally:
             fresh.close()
 
-    wait_for(restored, 20, interval_s=0.3, ignore=SETTLING, what="b's quota and priority back after the restart")
-    wait_for(lambda: all_alive(idx, sids), 20, interval_s=0.3, ignore=SETTLING, what="every shard rejoined")
-    assert ring()[1] == sids
-    idx.set_quota("b", UNLIMITED)
-    idx.set_priority("b", "normal")
+    try:
+        wait_for(seen_by_every_shard, 20, interval_s=0.3, ignore=SETTLING, what="b's quota seen by every shard")
+        wait_for(lambda: tuple(ray.get(controller().health.remote(), timeout=10)["operator_state"].get("b", ()))
+                 == (12345, "high"), 20, interval_s=0.3, ignore=SETTLING, what="b's quota seen by the controller")
+        redis.server.restart()  # empty
+        wait_for(restored, 20, interval_s=0.3, ignore=SETTLING, what="b's quota and priority back after the restart")
+        wait_for(lambda: all_alive(idx, sids), 20, interval_s=0.3, ignore=SETTLING, what="every shard rejoined")
+        assert ring()[1] == sids
+        # the head's node restarts: Redis and the controller (Ray restarts it, empty) at once
+        before = ray.get(controller().health.remote(), timeout=10)["incarnation"]
+        redis.server.kill()
+        ray.kill(controller(), no_restart=False)
+        wait_for(lambda: ray.get(controller().health.remote(), timeout=5)["incarnation"] != before, 60,
+                 interval_s=0.5, ignore=SETTLING, what="the controller restarted")
+        redis.server.start()  # empty
+        wait_for(lambda: all_alive(idx, sids), 30, interval_s=0.3, ignore=SETTLING, what="every shard rejoined")
+        assert restored()  # today: b unlimited and normal, as the first shard that rejoined created it
+        wait_for(lambda: ring()[1] == sids, 30, interval_s=0.3, ignore=SETTLING, what="the shards adopted again")
+    finally:
+        wait_for(lambda: idx.set_quota("b", UNLIMITED) or idx.set_priority("b", "normal") or True, 20,
+                 interval_s=0.3, ignore=SETTLING, what="b's quota and priority reset")
 
 
 def test_a_paused_redis_is_an_outage_and_drops_no_shard(client, redis, idx):
@@ -156,17 +181,17 @@ def test_a_paused_redis_is_an_outage_and_drops_no_shard(client, redis, idx):
     assert client.put("a", keys, [payload(i, PAGE) for i in range(20)]) == 20
     wait_for(lambda: all_alive(idx, ring()[1]), 20, interval_s=0.3, ignore=SETTLING, what="every shard alive")
     version, sids = ring()
-    redis.proc.send_signal(signal.SIGSTOP)
+    redis.server.proc.send_signal(signal.SIGSTOP)
     try:
         time.sleep(10)
     finally:
-        redis.proc.send_signal(signal.SIGCONT)
+        redis.server.proc.send_signal(signal.SIGCONT)
     time.sleep(4 * TTL)  # beyond the heartbeats' TTL and several controller passes
     assert ring() == (version, sids)  # today: every shard dropped (their heartbeat keys expired)
     assert client.lookup("a", keys).count == 20  # and their entries still listed
 
 
-def test_a_shard_the_controller_dropped_is_fenced_until_registered_again(cluster, idx):
+def test_a_shard_the_controller_dropped_is_fenced_until_registered_again(cluster, redis, idx):
     sid = cluster.shards[1]
     h = shard(sid)
     keys = make_keys(8, seed=104)
@@ -180,7 +205,7 @@ def test_a_shard_the_controller_dropped_is_fenced_until_registered_again(cluster
     with pytest.raises(Unavailable, match="fenced"):
         engine.call(m.Get("a", [bytes(k) for k in keys]))
     engine.close()
-    up(index_url=idx.url, **UP)  # registered again: it rejoins
+    up(index_url=redis.url("shard"), **UP)  # registered again: it rejoins
     wait_for(lambda: idx.shards().get(sid) and not ray.get(h.stats.remote(), timeout=10)["fenced"], 15,
              interval_s=0.2, ignore=SETTLING, what=f"{sid} back in the index")
     assert sid in ring()[1]

@@ -166,3 +166,52 @@ def test_ups_at_once_start_one_pool_and_down_leaves_none(no_ray):
         for pid in pool_pids(env):  # today: the pools nobody recorded
             os.kill(pid, signal.SIGKILL)
 
+
+def test_an_operators_quota_survives_redis_restarting_empty(no_ray, tmp_path):
+    """A single-node pool on Redis, as `kvpool up --redis` takes it (the shard user's URL, the
+    default user locked); the operator sets a tenant's quota and priority with `kvpool tenants`;
+    Redis restarts empty (its users kept in its ACL file). The tenant comes back with the
+    operator's quota and priority, not unlimited, and stores no more than its quota."""
+    import numpy as np
+    from test_redis_acl import AclRedis
+
+    from kvpool.auth import Authority
+    from kvpool.errors import KvPoolError
+    from kvpool.keys import ChunkKey
+    from kvpool.node.client import NodeClient
+
+    env, page, quota = no_ray, 64 << 10, 4 * (64 << 10)
+    redis = AclRedis(tmp_path)
+    op, client = redis.index("operator"), None
+    try:
+        r = kvpool(env, "up", "--redis", redis.url("shard"), "--dram", "4MiB", "--page-size", "64KiB", "--tenant", "acme")
+        assert r.returncode == 0, r.stderr[-2000:]
+        for cmd in (("set-quota", "acme", "256KiB"), ("set-priority", "acme", "high")):
+            r = kvpool(env, "tenants", *cmd, "--redis", redis.url("operator"))
+            assert r.returncode == 0, r.stderr[-2000:]
+        client = NodeClient(directory=env["KVPOOL_RUN_DIR"], timeout_s=10)
+        wait_for(lambda: client.shard_stats().get("operator_state", {}).get("acme") == [quota, "high"], 30,
+                 interval_s=0.2, what="the pool's shard to see the operator's quota")
+        redis.server.restart()  # empty
+        wait_for(lambda: [(t.quota, t.priority) for t in op.tenants() if t.id == "acme"], 30, interval_s=0.2,
+                 ignore=(KvPoolError,), what="acme registered again")
+        assert [(t.quota, t.priority) for t in op.tenants() if t.id == "acme"] == [(quota, "high")]  # today: unlimited
+        acme = Authority(open(os.path.join(env["HOME"], ".kvpool", "secret")).read().strip()).issue("acme")
+        keys = NodeClient.addresses(acme, [ChunkKey(i.to_bytes(16, "big")) for i in range(1, 9)])
+        for i, k in enumerate(keys):  # twice its quota, a chunk a call
+            try:
+                client.put(acme, [k], [np.full(page, i, np.uint8)])
+            except Exception as e:  # noqa: BLE001 - its 429, once the index refused a publish
+                assert getattr(e, "status", None) == 429, e
+
+        def held() -> tuple[int, int]:
+            return op.usage("acme"), sum(client.lookup(acme, [k]).count for k in keys)
+
+        wait_for(lambda: held()[0] <= quota and held()[1] * page <= quota, 30, interval_s=0.2,
+                 what=f"acme's usage in the index and chunks in the pool within its quota of {quota} B")
+    finally:
+        if client is not None:
+            client.close()
+        op.close()
+        kvpool(env, "down")
+        redis.server.kill()
