@@ -145,10 +145,18 @@ class Controller:
             self._changed.wait_for(lambda: self.version != version, timeout=timeout_s)
         return self.state()
 
-    def report(self, name: str, figures: dict) -> None:
+    def report(self, name: str, figures: dict, credential: str = "") -> None:
         """An engine connector's measured figures (load bandwidth, prefill cost, break-even),
         shown by `kvpool stats`; the latest per connector (``Reports``: expired when it stops
-        reporting, forgotten at its goodbye)."""
+        reporting, forgotten at its goodbye). Only from the pool's own processes (401 without a
+        credential, 403 with a tenant's): a shard forwards what an engine reported on its socket,
+        the engine's credential verified there and its tenant in ``figures``; the name and the
+        figures are checked as the socket checks them (400)."""
+        from kvpool.node.messages import WIRE_VERSION, Report
+
+        self.auth.require(credential, "reporting an engine's figures", "pool")
+        plain = {k: v for k, v in figures.items() if k != "tenant"} if isinstance(figures, dict) else figures
+        Report.decode(WIRE_VERSION, [credential, name, plain])
         self._reports.add(name, figures)
 
     def reports(self) -> dict:

@@ -27,6 +27,7 @@ class Members:
         self._loads_at = float("-inf")
         self._loads_busy = threading.Lock()
         self._controller = None
+        self._credential: str | None = None  # the pool's own, for the controller
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True, name="kvpool-members")
         self._thread.start()
@@ -49,10 +50,15 @@ class Members:
         return self._loads
 
     def report(self, name: str, figures: dict) -> None:
-        """An engine's figures to the controller (fire and forget)."""
+        """An engine's figures to the controller (fire and forget), with the pool's own credential:
+        the shard verified the engine's and names its tenant in ``figures``."""
         ctl = self._ctl()
         if ctl is not None:
-            ctl.report.remote(name, figures)
+            if self._credential is None:
+                from kvpool.auth import Authority
+
+                self._credential = Authority.from_env().pool_credential()
+            ctl.report.remote(name, figures, credential=self._credential)
 
     def engines(self, timeout_s: float = 5.0) -> dict:
         """The engines' latest reports, as the controller keeps them."""
