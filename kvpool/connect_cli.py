@@ -36,11 +36,14 @@ def write_credentials(path: str, credentials: dict[str, str]) -> str:
     (tmp + rename; an engine reading it sees the old one or the new one whole), it keeps every
     other tenant it held (an engine that runs on them, or restarts on them later, keeps its
     tenants), and concurrent connects take turns (a lock on its folder). A tenant's credential is
-    the same every time the same pool secret issues it, so nothing new writes nothing."""
+    the same every time the same pool secret issues it, so nothing new writes nothing.
+
+    A file this cannot keep whole is refused (400), nothing written: one others can read (naming
+    the ``chmod 600`` that fixes it, as an engine refuses it), one it cannot read, and one that is
+    no JSON object of tenant -> credential."""
     import fcntl
 
     from kvpool.auth_cli import write_private
-    from kvpool.private import read_private
 
     full = os.path.abspath(os.path.expanduser(path))
     try:
@@ -51,19 +54,37 @@ def write_credentials(path: str, credentials: dict[str, str]) -> str:
                          "with a path you can write") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        held: dict[str, str] = {}
-        try:
-            data = json.loads(read_private(full, "the engine's credentials"))
-            if isinstance(data, dict):
-                held = {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
-        except (OSError, ValueError, BadRequest):
-            pass  # none yet, or not ours to keep (one that others can read is replaced by a private one)
+        held = _held_credentials(full)
         if all(held.get(t) == c for t, c in credentials.items()):
             return full  # nothing new: not rewritten
         return write_private(full, json.dumps({**held, **credentials}), "the engine's credentials",
                              "--credentials-file")
     finally:
         os.close(lock)  # and with it the lock
+
+
+def _held_credentials(full: str) -> dict:
+    """Every entry of the credentials file at ``full`` ({} when there is none yet), or a 400 naming
+    the fix when it cannot be kept whole: a new file of the new tenants alone would drop the others."""
+    from kvpool.private import read_private
+
+    try:
+        text = read_private(full, "the engine's credentials")
+    except FileNotFoundError:
+        return {}
+    except BadRequest as e:  # others can read it: engines refuse it too, and its tenants stay in it
+        raise BadRequest(f"{e.message}; nothing was written (its tenants are kept as they are)") from None
+    except OSError as e:
+        raise BadRequest(f"cannot read the engine's credentials {full} ({e.strerror}): nothing was written; fix its "
+                         "access, or pass --credentials-file with another path") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the engine's credentials {full} is not a JSON object of tenant -> credential: nothing was "
+                         "written; fix it or move it away (`kvpool connect` writes it anew)")
+    return data
 
 
 def pool_config(engine: str, tenants: list[str], chunk_tokens: int, credentials_file: str, pool: str = "default",

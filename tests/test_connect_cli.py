@@ -315,3 +315,38 @@ def test_a_credentials_file_that_is_not_there_names_connect(tmp_path):
     with pytest.raises(BadRequest, match=rf"credentials_file {missing}: cannot read it .*kvpool connect vllm\|sglang "
                                          rf"--credentials-file {missing}"):
         Tenancy({"backend": "node", "credentials_file": str(missing)})
+
+
+def test_a_credentials_file_others_can_read_is_refused_and_no_tenant_is_ever_dropped(tmp_path):
+    """A credentials file of 9 tenants that others can read: connecting a tenth is refused naming the
+    `chmod 600` (the file untouched, every tenant in it); once private, the tenth is added beside the
+    nine. One that is no JSON object of credentials is refused too, never replaced."""
+    from kvpool.connect_cli import write_credentials
+
+    creds = tmp_path / "credentials.json"
+    held = {f"t{i}": f"credential of t{i}" for i in range(9)}
+    creds.write_text(json.dumps(held))
+    creds.chmod(0o644)
+    before = os.stat(creds)
+    with pytest.raises(BadRequest, match=rf"mode 0644.*chmod 600 {creds}.*nothing was written"):
+        write_credentials(str(creds), {"t9": "credential of t9"})  # today: replaced by a file of t9 alone
+    assert json.loads(creds.read_text()) == held and os.stat(creds).st_ino == before.st_ino
+    assert stat.S_IMODE(os.stat(creds).st_mode) == 0o644
+    creds.chmod(0o600)
+    assert write_credentials(str(creds), {"t9": "credential of t9"}) == str(creds)
+    assert json.loads(creds.read_text()) == {**held, "t9": "credential of t9"}
+    assert stat.S_IMODE(os.stat(creds).st_mode) == 0o600
+    for text in ("{not json", '["t0"]'):
+        creds.write_text(text)
+        with pytest.raises(BadRequest, match=rf"{creds} is not a JSON object of tenant -> credential"):
+            write_credentials(str(creds), {"t9": "credential of t9"})
+        assert creds.read_text() == text
+
+
+def test_connect_refuses_a_credentials_file_others_can_read(pool, tmp_path):
+    creds = tmp_path / "credentials.json"
+    creds.write_text(json.dumps({"other": "credential of other"}))
+    creds.chmod(0o644)
+    r = run(pool["env"], "connect", "vllm", "--tenant", "acme", "--credentials-file", str(creds))
+    assert r.returncode == 2 and f"chmod 600 {creds}" in r.stderr, r.stderr
+    assert json.loads(creds.read_text()) == {"other": "credential of other"}
