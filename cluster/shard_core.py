@@ -14,7 +14,6 @@ actor per node of a pool) or it runs as the pool's one process on one machine (c
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from kvpool.errors import BadRequest, Forbidden, KvPoolError
 from kvpool.index.operator_state import OperatorState
 from kvpool.keys import ChunkKey
 from kvpool.node.paths import run_dir
+from kvpool.node.trust import ensure_run_dir
 from kvpool.sizing import resolve_store
 from kvpool.store import ChunkStore, StoreConfig
 from kvpool.tenants import Tenant, TenantRegistry
@@ -58,7 +58,7 @@ class Shard:
         self.auth = Authority.from_env()  # the pool secret: a file its host names in the environment
         cfg = resolve_store(store)  # a tier asked for in bytes or as a share of memory: pages on THIS node
         run = run_dir()  # the node files and the slab: engines map them from there
-        os.makedirs(run, mode=0o700, exist_ok=True)
+        ensure_run_dir(run)  # private, or refused with the fix (kvpool.node.trust)
         cfg["dram_dir"] = run
         cfg["name"] = f"{pool}-{shard_id}"
         from kvpool.slab import sweep_orphans

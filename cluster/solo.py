@@ -25,6 +25,7 @@ import time
 from kvpool.cluster.reports import Reports
 from kvpool.errors import BadRequest, Unavailable
 from kvpool.node.paths import node_files, run_dir
+from kvpool.node.trust import check_run_dir
 from kvpool.procs import zombie
 
 POOL = "default"
@@ -114,6 +115,7 @@ def _start(store: dict, tenants: list[dict], redis: str | None, secret_file: str
                          "`kvpool down` first to change its size or tenants")
     secret, where = find_secret(secret_file, create=True)
     directory = run_dir()
+    check_run_dir(directory)  # refused here, with the fix, when others can write in it
     if taken := _live_node_files(directory):
         raise BadRequest(f"a shard of pool {POOL!r} already runs in {directory} ({taken[0]}): a pool on Ray? stop it "
                          "with `kvpool down --ray-address ...`, or start this one with another $KVPOOL_RUN_DIR")
