@@ -14,6 +14,8 @@ import time
 import pytest
 from conftest import free_port, redis_reachable, wait_for
 
+from kvpool.node.trust import default_run_dir
+
 MISSES = """
 import os
 from kvpool.auth import Authority
@@ -82,7 +84,7 @@ def check_ray_is_locked(address: str, secret: str, tmp_path) -> None:
 
 # Run as `nobody` by the system's Python (stdlib only: the suite's virtualenv is under a 0700 home).
 OTHER_USER = r"""
-import json, os, socket, struct, sys, time
+import json, os, socket, sys
 files, sock_path, peer, pid = json.loads(sys.argv[1])
 out = {}
 for p in files + [f"/proc/{pid}/environ", f"/proc/{pid}/mem"]:
@@ -99,10 +101,12 @@ except OSError as e:
     out["socket"] = e.__class__.__name__
 host, port = peer.rsplit(":", 1)
 with socket.create_connection((host, int(port)), timeout=10) as c:
-    # an opening of the right size and shape without the pool's secret, then a request
-    c.sendall(b"KVP3" + struct.pack(">d", time.time()) + os.urandom(48) + b"\x00\x00\x00\x10" + b"x" * 16)
+    # an opening of the right shape without the pool's secret (kvpool.node.wire.open_peer), then a request
+    c.sendall(b"KVP5" + os.urandom(16))
     c.settimeout(10)
     try:
+        c.recv(48)  # the port's nonce and proof
+        c.sendall(os.urandom(32) + b"\x00\x00\x00\x10" + b"x" * 16)
         out["peer"] = "answered %r" % c.recv(4096)[:40]
     except OSError as e:
         out["peer"] = e.__class__.__name__
@@ -194,7 +198,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         r = kvpool("up", "--ray-address", "local", "--model", str(model), "--chunk-tokens", "64", "--dram", "4MiB", "--tenant", "a",
                    "--policy", "tiered", "--secret-file", str(secret), env=mark)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert "kvpool is up on Ray: 1 shards" in r.stdout and "/dev/shm/" in r.stdout
+        assert "kvpool is up on Ray: 1 shards" in r.stdout and default_run_dir() + "/" in r.stdout
         assert "starting a local Ray head" not in r.stderr  # the head of the record, still answering
         # pages of one KV head's slice of the model's 64-token chunk (2 heads: 2 slices), and 4 MiB of them
         assert "pages: 131072 B (0.12 MiB); a chunk of" in r.stdout and "stored as 2 slices" in r.stdout, r.stdout
@@ -216,7 +220,7 @@ def test_up_stats_warmup_down(tmp_path, monkeypatch, foreign_head):
         w = json.loads(r.stdout)
         # the tiered policy pins at most 20% of the shard's 32 pages: 6 of the 8 slices (2 KV heads), 3 chunks
         assert w == {"prefixes": 2, "skipped": 0, "stored_chunks": 4, "pinned_chunks": 3}
-        check_no_other_user_reads_a_chunk("/dev/shm")
+        check_no_other_user_reads_a_chunk(default_run_dir())
         st = json.loads(kvpool("stats", "--json").stdout)
         (shard,) = st["shards"].values()
         assert shard["chunks"] == 8 and shard["policy_stats"]["pinned"] == 6  # the store counts slices

@@ -169,10 +169,8 @@ def _nonce(v, name):
 
 @op("prove", role=_text, tenant=_text, nonce=_nonce)
 class Prove(Message):
-    """Asked before a client sends a credential of ``role`` for ``tenant`` on this node: the shard
-    answers ``{"proof"}``, :func:`kvpool.auth.shard_proof` of that credential (issued again from the
-    pool secret) over the client's fresh ``nonce``, so a process in the shard's place without the
-    secret gets no credential (kvpool.node.trust). Allocates nothing; needs no credential."""
+    """Before a client sends a credential of ``role`` for ``tenant``: -> ``{"proof"}``,
+    :func:`kvpool.auth.shard_proof` over the client's fresh ``nonce`` (kvpool.node.trust)."""
 
     role: str
     tenant: str
