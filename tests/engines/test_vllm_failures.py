@@ -67,8 +67,8 @@ def run(llm, prompt):
     gained = {k: v - before.get(k, 0) for k, v in conn.counters.items()}
     fig1 = conn.figures()
     lps = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]
-    return list(out.token_ids), lps, gained, {k: fig1[k] - fig0.get(k, 0) for k in ("loads", "loaded_tokens",
-                                                                                  "failed_tokens", "load_failures")}
+    return list(out.token_ids), lps, gained, {k: fig1[k] - fig0.get(k, 0) for k in (
+        "loads", "loaded_tokens", "failed_tokens", "load_failures", "pool_tokens")}
 
 
 def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(engine):
@@ -79,7 +79,7 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(e
     h0, o0 = host_hits(engine), own("kvpool:loaded_tokens_total")
     warm = run(engine, prompt)
     assert warm[0] == cold[0] and max(abs(a - b) for a, b in zip(warm[1], cold[1])) <= 1e-4
-    assert warm[3] == {"loads": 1, "loaded_tokens": 256, "failed_tokens": 0, "load_failures": 0}
+    assert warm[3] == {"loads": 1, "loaded_tokens": 256, "failed_tokens": 0, "load_failures": 0, "pool_tokens": 256}
     h1 = host_hits(engine)
     assert h1 - h0 == 256 and own("kvpool:loaded_tokens_total") - o0 == 256  # the connector's own series agree
     o1, f1 = own("kvpool:loaded_tokens_total"), own("kvpool:load_failures_total", cause="missing")
@@ -94,8 +94,8 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(e
     assert bad[2].get("matched_tokens") == 256 and bad[2].get("load_failures") == 1  # planned, then failed
     assert len(worker_connector().worker.failed_history) > failed_before  # vLLM was told (invalid blocks)
     # kvpool's figures: no load, no loaded token; the 256 tokens are failed (recomputed), not hits
-    assert bad[3] == {"loads": 0, "loaded_tokens": 0, "failed_tokens": 256, "load_failures": 1}
-    # vLLM's figure: it counted the 256 tokens as host hits at admission, before the load failed
+    # `kvpool stats`' pool_tokens count as vLLM counts: the 256 tokens at admission, before the load failed
+    assert bad[3] == {"loads": 0, "loaded_tokens": 0, "failed_tokens": 256, "load_failures": 1, "pool_tokens": 256}
     assert host_hits(engine) - h1 == 256
     # the connector's own series: no token loaded, one load failed (the pool returned no chunk: its
     # checksum failed inside the pool, a miss), its 256 tokens recomputed
@@ -103,3 +103,4 @@ def test_a_load_that_fails_after_the_lookup_is_recomputed_and_not_a_kvpool_hit(e
     assert own("kvpool:load_failures_total", cause="missing") - f1 == 1
     again = run(engine, prompt)  # the recompute saved the chunk again: a good load
     assert again[3]["loads"] == 1 and again[3]["loaded_tokens"] == 256
+    assert scheduler_connector(engine).figures()["pool_tokens"] == host_hits(engine)  # vLLM's counter, exactly

@@ -20,6 +20,10 @@ One server for the module, in this order (every check through HTTP answers only)
 5. the Ray head killed (its processes, found by its temp dir): the server keeps answering for more
    than 70 s (an engine that joined Ray as a driver would die there: "Failed to connect to GCS
    within 60 seconds", then EngineDeadError; the engine's client never joins Ray).
+
+Between 2 and 3, `kvpool stats` against the server's own counters: the server serves tenants
+``acme`` and ``globex`` beside ``default`` (each by its request secret as ``cache_salt``), and
+`kvpool stats --json` lists it once, its figures equal to vLLM's /metrics, its tenants' adding up.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import need_engines
+from conftest import need_engines, wait_for
 
 need_engines("vllm")
 
@@ -52,6 +56,7 @@ WHOLE = 4 * CHUNK  # a 300-token prompt's whole chunks
 START_TIMEOUT_S = 240
 REQUEST_BOUND_S = 10.0  # any request, under any fault (a cold one takes well under a second here)
 HEAD_DOWN_S = 72  # > 60 s: where an engine joined to Ray gave up on its GCS
+SECRETS = {"acme": "acme-request-secret-0001", "globex": "globex-request-secret-0002"}  # the server's other tenants
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POOL_BIN = os.path.join(REPO, ".venv", "bin")
 FIGURES: dict[str, list[float]] = {}
@@ -237,13 +242,27 @@ class Server:
         pat = r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="(\w+)"[^}]*\} ([0-9.e+]+)$'
         return {m[1]: float(m[2]) for m in re.finditer(pat, text, re.M)}
 
-    def complete(self, tokens: list[int], what: str, max_tokens: int = 4) -> tuple[list[int], float, float]:
+    def vllm_counters(self) -> dict[str, float]:
+        """vLLM's own counters on /metrics (summed over its labels): prompt tokens, and the tokens
+        its connector supplied (``host``; the same as ``external``, vLLM's external prefix cache hits)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {"prompt_tokens": 0.0, "external": 0.0, "host": self.cached_by_source().get("host", 0.0)}
+        for name, value in re.findall(r'^vllm:(prompt_tokens|external_prefix_cache_hits)_total\{[^}]*\} ([0-9.e+]+)$',
+                                      text, re.M):
+            out["external" if name == "external_prefix_cache_hits" else name] += float(value)
+        return out
+
+    def complete(self, tokens: list[int], what: str, max_tokens: int = 4,
+                 salt: str | None = None) -> tuple[list[int], float, float]:
         """(the answer's tokens, the seconds the request took, the tokens it loaded from the pool).
-        Greedy, a few tokens: the answer shows whether the prompt's KV was right."""
+        Greedy, a few tokens: the answer shows whether the prompt's KV was right. ``salt``: the
+        request's cache_salt (a tenant's request secret)."""
         before = self.cached_by_source().get("host", 0.0)
         t0 = time.monotonic()
         out = self.post("/v1/completions", {"model": "tiny", "prompt": tokens, "max_tokens": max_tokens,
-                                            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True})
+                                            "temperature": 0.0, "return_token_ids": True, "ignore_eos": True,
+                                            **({"cache_salt": salt} if salt else {})})
         took = time.monotonic() - t0
         FIGURES.setdefault(what, []).append(took)
         answer = [int(t) for t in out["choices"][0]["token_ids"]]
@@ -282,7 +301,7 @@ def stack(tmp_path_factory):
     pool = Pool(workdir)  # Redis and the Ray head start beside the server; no kvpool yet
     server = None
     try:
-        server = Server(model, workdir, pool.run_dir)
+        server = Server(model, workdir, pool.run_dir, secrets=SECRETS)
         server.wait_healthy()
         yield server, pool
     finally:
@@ -324,7 +343,7 @@ def test_a_server_started_before_the_pool_answers(stack):
 
 def test_the_pool_comes_up_and_a_repeated_prompt_is_a_pool_hit(stack):
     server, pool = stack
-    pool.up()
+    pool.up(dram_pages=128, tenants=("default", *SECRETS))  # room for every prompt of the module
     assert len(pool.shard_files()) == 1
     # the connectors look for the shard again at most every retry_s (1 s): the first requests after
     # the pool came up may still miss it
@@ -399,13 +418,67 @@ def test_kvpool_stats_names_the_engine_by_its_address_and_agrees_with_metrics(st
         json.dumps({"engine": e, "own": own, "now": time.time()})
     assert e["load_failures"] == own["kvpool:load_failures_total{checksum}"] == 1, (e, own)
     assert e["requests"] == own["kvpool:lookups_total"] and e["failed_tokens"] == WHOLE, (e, own)
-    assert e["tenant default pool_tokens"] == e["loaded_tokens"], e  # one tenant: its tokens are the engine's
+    # vLLM counted the failed load's tokens when it admitted the request: so does `kvpool stats` (pool_tokens)
+    assert e["tenants"] == {"default": {"prompt_tokens": e["prompt_tokens"], "pool_tokens": e["pool_tokens"]}}, e
+    assert e["pool_tokens"] == e["loaded_tokens"] + e["failed_tokens"], e  # one tenant so far: its figures are the engine's
     text = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "stats"], env=pool.env, capture_output=True, text=True,
                           timeout=60).stdout
     print(text)
     line = text[text.index(f"  {name}"):]
     assert re.search(rf"^\s+{e['loads']} loads \({e['loaded_tokens']} tokens from the pool\) in {e['requests']} "
                      rf"requests", line, re.M) and "; 1 failed loads" in line, text
+
+
+def stats(pool: Pool) -> dict:
+    r = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "stats", "--json"], env=pool.env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+def test_kvpool_stats_lists_a_server_of_several_tenants_once_and_equals_its_metrics(stack):
+    """Requests of three tenants (by their request secrets), one whose secret is nobody's and one
+    shorter than a chunk: `kvpool stats` lists the server once, reporting as its default tenant,
+    its prompt tokens and those from the pool equal to vLLM's own counters, its tenants adding
+    up to them, each tenant's pool tokens what its own requests loaded."""
+    server, pool = stack
+    name = f"vllm 127.0.0.1:{server.port} (tiny)"
+    loaded: dict[str, float] = {}
+    for i, tenant in enumerate(["acme", "globex", "acme", "default"]):
+        prompt = random_prompt(300, seed=60 + i)
+        for _ in range(2):  # saved, then loaded (vLLM's own prefix cache reset before each)
+            server.reset_local_prefix_cache()
+            _, _, host = server.complete(prompt, "tenants", salt=SECRETS.get(tenant))
+            loaded[tenant] = loaded.get(tenant, 0.0) + host
+    server.complete(random_prompt(300, seed=70), "tenants", salt="nobodys-request-secret-0003")  # not cached
+    server.complete(random_prompt(40, seed=71), "tenants", salt=SECRETS["acme"])  # no whole chunk to key
+    assert loaded["acme"] == 2 * WHOLE and loaded["globex"] == WHOLE, loaded
+
+    def agree():  # the engine reports within a second of a load, and every 5 s
+        st, vllm = stats(pool), server.vllm_counters()
+        e = st["engines"].get(name, {})
+        return (e.get("prompt_tokens"), e.get("pool_tokens")) == (vllm["prompt_tokens"], vllm["host"]) and (st, vllm)
+
+    wait_for(agree, 15, what="kvpool stats to equal the server's /metrics")
+    got = agree()
+    assert got, "kvpool stats and the server's /metrics parted again, with no request in flight"
+    st, vllm = got
+    assert [n for n in st["engines"] if str(server.port) in n] == [name], list(st["engines"])  # listed once
+    e = st["engines"][name]
+    assert e["tenant"] == "default" and not e["silent"], e  # it reports as its default tenant, whoever it served
+    assert vllm["host"] == vllm["external"] == e["pool_tokens"], (vllm, e)
+    for what in ("prompt_tokens", "pool_tokens"):
+        assert sum(t[what] for t in e["tenants"].values()) == e[what], (what, e)
+    assert {t: f["pool_tokens"] for t, f in e["tenants"].items() if t in SECRETS} == \
+        {t: int(loaded[t]) for t in SECRETS}, e  # vLLM's source="host" tokens of each tenant's own requests
+    assert e["tenants"]["(none)"]["prompt_tokens"] > 0 and e["tenants"]["(none)"]["pool_tokens"] == 0, e
+    assert st["tenants"] == e["tenants"]  # the pool's one engine
+    text = subprocess.run([os.path.join(POOL_BIN, "kvpool"), "stats"], env=pool.env, capture_output=True, text=True,
+                          timeout=60).stdout
+    print(text)
+    mine = text[text.index(f"  {name}"):text.index("\ntenants (")]
+    assert f"as vLLM counts them: {e['pool_tokens']} of {e['prompt_tokens']} prompt tokens from the pool" in mine, text
+    assert re.search(rf"^      acme: {int(loaded['acme'])} of \d+ prompt tokens from the pool", mine, re.M), text
 
 
 def test_redis_killed_the_server_keeps_answering(stack):
