@@ -147,8 +147,8 @@ class Controller:
 
     def report(self, name: str, figures: dict, credential: str = "") -> None:
         """An engine connector's measured figures (load bandwidth, prefill cost, break-even),
-        shown by `kvpool stats`; the latest per connector (``Reports``: expired when it stops
-        reporting, forgotten at its goodbye). Only from the pool's own processes (401 without a
+        shown by `kvpool stats`; the latest per connector (``Reports``: kept while it reports, then
+        listed silent until its goodbye or a day passes). Only from the pool's own processes (401 without a
         credential, 403 with a tenant's): a shard forwards what an engine reported on its socket,
         the engine's credential verified there and its tenant in ``figures``; the name and the
         figures are checked as the socket checks them (400)."""
