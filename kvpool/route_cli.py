@@ -19,8 +19,9 @@ def add_route_parser(sub) -> None:
         "cheapest (own GPU cache, node's shard, the pool, prefill) against load",
         formatter_class=argparse.RawDescriptionHelpFormatter, description=(
             "Forwards /v1/completions and /v1/chat/completions to the instance where the request's time to first\n"
-            "token is expected lowest, and streams the answer back. Instances that fail are routed around;\n"
-            "the router keeps no state it cannot rebuild. See docs/engines.md (\"A router in front\")."))
+            "token is expected lowest, and streams the answer back. Instances that fail are routed around\n"
+            "(a request goes to a second one only when nothing of it reached the first); the router keeps no\n"
+            "state it cannot rebuild. See docs/engines.md (\"A router in front\")."))
     r.add_argument("--instance", action="append", default=[], required=True, metavar="URL[,shard=ID][,events=ADDR]",
                    help="a vLLM server (repeat): its base URL; shard=: its node's pool shard (default: this node's); "
                    "events=: where to read its KV events (default: what it announces at /kv_event_sources)")
@@ -44,4 +45,14 @@ def add_route_parser(sub) -> None:
                    help="an instance sent more than this many times the mean of recent work is passed over (default 1.25)")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
     r.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to reach an instance (default 3)")
+    r.add_argument("--render-workers", type=int, default=2, metavar="N",
+                   help="processes that render chat templates and tokenize text prompts, each holding the tokenizer "
+                   "(default 2)")
+    r.add_argument("--render-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds a prompt may take to render and tokenize; past it the request is refused (400) and "
+                   "its worker replaced (default 5)")
+    r.add_argument("--max-inflight-per-tenant", type=int, default=256, metavar="N",
+                   help="requests of one tenant the router holds at once; past it a 429 (default 256)")
+    r.add_argument("--max-body-mib-per-tenant", type=float, default=256.0, metavar="MIB",
+                   help="MiB of request bodies of one tenant the router holds at once; past it a 429 (default 256)")
     r.set_defaults(func=_route)

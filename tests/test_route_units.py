@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvpool.connectors.pools import close_local_pools, open_pool
 from kvpool.connectors.route.costs import OnlineCost
@@ -16,7 +19,6 @@ from kvpool.connectors.route.events import subscribe_address
 from kvpool.connectors.route.fleet import InstanceSpec
 from kvpool.connectors.route.gpu import GpuView, block_chain
 from kvpool.connectors.route.plan import Plan, Planner
-from kvpool.connectors.route.prompts import Prompts
 from kvpool.connectors.tenancy import Tenancy
 from kvpool.errors import BadRequest
 from kvpool.routing import CostModel
@@ -90,19 +92,23 @@ def test_the_planner_finds_a_tenants_own_chunks_and_no_one_elses():
     spec = KVSpec("test/route", 2, 2, 4, dtype="float32", block_size=8, chunk_tokens=8)
     pool = open_pool(spec, CFG)
     tenancy = Tenancy(CFG, engine="test")
-    planner = Planner(tenancy, Prompts(None), pool, chunk_tokens=8)
+    planner = Planner(tenancy, pool, chunk_tokens=8)
     tokens = list(range(1, 30))
     keys = pool.keys("acme", tokens[:24])
     assert pool.save("acme", keys[:2], [chunk(spec, 0), chunk(spec, 1)]) == 2
-    mine = planner.plan("/v1/completions", {"prompt": tokens, "cache_salt": ACME})
+
+    def plan(body: dict, tokens: list[int] | None = tokens):
+        return planner.plan(planner.route(body), tokens)
+
+    mine = plan({"prompt": tokens, "cache_salt": ACME})
     assert (mine.tenant, mine.where, mine.error) == ("acme", [frozenset({"local"})] * 2, None)
-    theirs = planner.plan("/v1/completions", {"prompt": tokens})  # the default tenant: the same tokens
+    theirs = plan({"prompt": tokens})  # the default tenant: the same tokens
     assert theirs.tenant == "default" and theirs.where == []
-    stranger = planner.plan("/v1/completions", {"prompt": tokens, "cache_salt": "a-guess-at-acmes-secret"})
+    stranger = plan({"prompt": tokens, "cache_salt": "a-guess-at-acmes-secret"})
     assert stranger.tenant is None and stranger.where == []  # not cached: routed on load alone
     assert tenancy.stats()["rejected_credential"] == 1
-    chat = planner.plan("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-    assert chat.tokens is None and chat.tenant is None  # no tokenizer here: routed on load
+    chat = plan({"messages": [{"role": "user", "content": "hi"}]}, None)
+    assert chat.tokens is None and chat.tenant is None  # no tokens (no tokenizer): routed on load
 
 
 class _Broken:
@@ -111,8 +117,8 @@ class _Broken:
 
 
 def test_an_index_that_cannot_answer_leaves_the_plan_on_load():
-    planner = Planner(Tenancy(CFG, engine="test"), Prompts(None), _Broken(), chunk_tokens=8)
-    p = planner.plan("/v1/completions", {"prompt": list(range(20))})
+    planner = Planner(Tenancy(CFG, engine="test"), _Broken(), chunk_tokens=8)
+    p = planner.plan(planner.route({"prompt": list(range(20))}), list(range(20)))
     assert p.error == "the shard went away" and p.where == [] and p.tenant == "default"
 
 
@@ -282,3 +288,141 @@ def test_a_lookup_the_node_cannot_answer_says_so(tmp_path):
     finally:
         c.close()
     assert hit.count == 0 and hit.error and "503" in hit.error
+
+
+# ---------------------------------------------------------------- malformed KV event frames
+GARBAGE = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() |
+                       st.text(max_size=6) | st.binary(max_size=6),
+                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                       max_leaves=10)
+HASHES = st.lists(st.integers(0, 40) | st.binary(min_size=1, max_size=3), max_size=3)
+
+
+def _maybe(valid):
+    return st.one_of(valid, GARBAGE)
+
+
+EVENT = st.one_of(GARBAGE, st.fixed_dictionaries({
+    "type": _maybe(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "Other"])),
+    "block_hashes": _maybe(HASHES),
+    "parent_block_hash": _maybe(st.none() | st.integers(0, 40)),
+    "token_ids": _maybe(st.lists(st.integers(0, 50), min_size=0, max_size=12)),
+    "block_size": _maybe(st.just(BS)),
+    "extra_keys": _maybe(st.none() | st.lists(st.none() | st.just([ACME]), max_size=3)),
+    "group_idx": _maybe(st.just(0)),
+    "medium": _maybe(st.just("GPU")),
+}))
+PAYLOAD = st.one_of(st.binary(max_size=40), GARBAGE.map(msgpack.packb),
+                    st.lists(EVENT, max_size=4).map(lambda events: msgpack.packb([1.0, events, 0])))
+FRAME = st.one_of(st.tuples(st.binary(max_size=2), st.binary(max_size=9), PAYLOAD).map(list),
+                  st.lists(st.binary(max_size=8), max_size=5))
+ROBUST = settings(max_examples=300, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _state(view: GpuView):
+    return dict(view._ids), dict(view._held), view.block_size
+
+
+def _consistent(view: GpuView) -> bool:
+    """Every block of vLLM's maps to a chain id held as often as blocks map to it."""
+    counts: dict[int, int] = {}
+    for cid in view._ids.values():
+        counts[cid] = counts.get(cid, 0) + 1
+    return counts == view._held
+
+
+@ROBUST
+@given(st.lists(EVENT, max_size=12))
+def test_any_event_either_applies_or_changes_nothing_and_never_raises(events):
+    view = GpuView(tenant_of(Tenancy(CFG, engine="test")))
+    view.apply(stored([1, 2], list(range(8))))  # something to lose
+    for e in events:
+        before = _state(view)
+        if not view.apply(e):
+            assert _state(view) == before  # a malformed event is refused whole
+        assert _consistent(view)
+
+
+@ROBUST
+@given(st.lists(FRAME, max_size=6))
+def test_a_malformed_frame_is_counted_and_dropped_and_changes_nothing(frames):
+    from kvpool.connectors.route.events import EventFeed
+
+    view = GpuView(lambda salt: "default")
+    feed = EventFeed(view, "test", [(f"inproc://frames-{id(frames)}", True)])
+    try:
+        feed.on_frame([b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [stored([1], [1, 2, 3, 4])], 0])])
+        for f in frames:
+            before, bad, batches = _state(view), feed.bad, feed.batches
+            feed.on_frame(f)  # never raises
+            assert (feed.bad - bad, feed.batches - batches) in ((1, 0), (0, 1))  # counted once, as one or the other
+            if feed.bad > bad:
+                assert _state(view) == before
+            assert _consistent(view)
+        assert feed.frames == len(frames) + 1
+    finally:
+        feed.close()
+
+
+def test_a_forged_frame_neither_ends_the_feed_nor_reaches_the_view():
+    """A frame whose block_hashes is an integer (and other wrong types) is counted in bad_frames and
+    dropped; the feed reads on, and the frames after it are applied."""
+    import asyncio
+
+    import zmq
+
+    from kvpool.connectors.route.events import EventFeed
+
+    async def main():
+        view = GpuView(lambda salt: "default")
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        feed = EventFeed(view, "test", [(f"tcp://127.0.0.1:{port}", False)])
+        feed.start()
+        prompt = list(range(12))
+
+        def send(seq: int, events: list) -> None:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([1.0, events, 0])])
+
+        try:
+            seq = 0
+            for seq in range(100):  # a subscriber joins a moment after it connects (ZMQ's slow joiner)
+                send(seq, [stored([1], prompt[:4])])
+                await asyncio.sleep(0.02)
+                if len(view):
+                    break
+            forged = [{**stored([2], prompt[4:8], parent=1), "block_hashes": 7},
+                      {**stored([2], prompt[4:8], parent=1), "token_ids": [[1], {"x": 2}, None, "4"]},
+                      {"type": "BlockRemoved", "block_hashes": [[1]]}, [1, {"type": "BlockStored"}]]
+            for k, e in enumerate(forged):
+                send(seq + 1, [e])  # each with the next sequence number: taken by none of them
+                await until_async(lambda k=k: feed.bad == k + 1)
+            send(seq + 1, [stored([2], prompt[4:8], parent=1)])
+            send(seq + 2, [stored([3], prompt[8:], parent=2)])
+            await until_async(lambda: view.leading(block_chain("default", prompt, BS)) == 3)
+            assert feed.bad == len(forged) and feed.gaps == 0
+            assert all(not t.done() for t in feed._tasks)  # still reading
+        finally:
+            feed.close()
+            pub.close(linger=0)
+
+    asyncio.run(main())
+
+
+async def until_async(cond, timeout_s: float = 5.0) -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_view_flooded_past_its_cap_starts_over():
+    view = GpuView(lambda salt: "default", max_blocks=8)
+    view.apply(stored(list(range(1, 7)), list(range(24))))
+    assert len(view) == 6 and view.overflows == 0
+    view.apply(stored([7, 8, 9], list(range(100, 112))))  # 9 blocks: past the cap
+    assert len(view) == 0 and view.overflows == 1

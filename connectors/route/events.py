@@ -10,21 +10,28 @@ When the instance has a replay endpoint (``replay_endpoint`` in its ``--kv-event
 subscription first asks it for every batch it still holds (vLLM keeps the last ``buffer_steps``
 steps' batches), so a router that starts or restarts after the instance knows the instance's cache
 at once, not only what changes from then on. A gap in the sequence, or a sequence that starts over
-(the instance restarted), clears the view: what follows rebuilds it. A frame that does not decode is counted and dropped (the events port is
-not authenticated: anyone who reaches it can mislead the router's locality, never an answer; and
-its frames carry each request's ``cache_salt``, so publish them only where the router alone
-listens: see docs/security.md).
+(the instance restarted), clears the view: what follows rebuilds it.
+
+A frame that does not decode, or holds an event that is not one of vLLM's
+(:func:`~kvpool.connectors.route.gpu.malformed`: wrong types anywhere), is counted in
+``bad_frames`` and dropped whole; nothing of it is applied and its sequence number is not taken,
+so a forged frame changes nothing and a garbled real one reads as a gap. No frame ends the feed:
+only :meth:`EventFeed.close` does. (The events port is not authenticated: anyone who reaches it
+can mislead the router's locality, never an answer; and its frames carry each request's
+``cache_salt``, so publish them only where the router alone listens: see docs/security.md.)
+``figures()`` is the feed's health: alive, frames, bad frames, gaps, the last frame's age.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from urllib.parse import urlsplit
 
 import msgpack
 
-from kvpool.connectors.route.gpu import GpuView
+from kvpool.connectors.route.gpu import GpuView, malformed
 from kvpool.errors import BadRequest
 
 log = logging.getLogger("kvpool.route")
@@ -57,7 +64,8 @@ class EventFeed:
         import zmq.asyncio
 
         self.view, self.name = view, name
-        self.gaps = self.bad = self.batches = self.replayed = 0
+        self.gaps = self.bad = self.batches = self.replayed = self.frames = 0
+        self.last_frame: float | None = None  # time.monotonic() of the last frame received
         self._replays = replays or [None] * len(addresses)
         self._ctx = zmq.asyncio.Context.instance()
         self._socks, self._tasks = [], []
@@ -69,17 +77,23 @@ class EventFeed:
             (s.bind if bind else s.connect)(address)
             self._socks.append(s)
         self.addresses = [a for a, _ in addresses]
+        self._last: list[int | None] = [None] * len(addresses)  # per socket: its last sequence number taken
+        self._replayed: list[tuple[int, int] | None] = [None] * len(addresses)  # per socket: what its replay gave
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._read(s, r)) for s, r in zip(self._socks, self._replays)]
+        self._tasks = [asyncio.ensure_future(self._read(i, s, r))
+                       for i, (s, r) in enumerate(zip(self._socks, self._replays))]
 
     def _decode(self, seq_bytes: bytes, payload: bytes) -> tuple[int, list] | None:
+        """(sequence number, events) of a well-formed batch, else None, counted in ``bad``."""
         try:
             seq = int.from_bytes(seq_bytes, "big")
-            events = msgpack.unpackb(payload, raw=False, strict_map_key=False)[1]
-            if not isinstance(events, list):
-                raise ValueError("no event list")
-        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):
+            batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            events = batch[1] if isinstance(batch, (list, tuple)) and len(batch) >= 2 else None
+            ok = isinstance(events, list) and all(malformed(e) is None for e in events)
+        except Exception:  # noqa: BLE001 - whatever a forged payload makes msgpack raise: a bad frame
+            ok = False
+        if not ok:
             self.bad += 1
             return None
         return seq, events
@@ -87,8 +101,7 @@ class EventFeed:
     def _apply(self, events: list) -> None:
         self.batches += 1
         for e in events:
-            if isinstance(e, dict):
-                self.view.apply(e)
+            self.view.apply(e)
 
     async def _replay(self, address: str) -> tuple[int, int] | None:
         """Every batch the instance still holds, applied in order; the first and last one's sequence
@@ -120,9 +133,9 @@ class EventFeed:
         self.replayed = len(got)
         return (got[0][0], got[-1][0]) if got else None
 
-    async def _read(self, sock, replay: str | None) -> None:
-        replayed = await self._replay(replay) if replay else None
-        last = None if replayed is None else replayed[1]
+    async def _read(self, i: int, sock, replay: str | None) -> None:
+        replayed = self._replayed[i] = await self._replay(replay) if replay else None
+        self._last[i] = None if replayed is None else replayed[1]
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -131,22 +144,40 @@ class EventFeed:
             except Exception as e:  # noqa: BLE001 - a closed socket ends the feed
                 log.debug("kvpool route: events of %s ended (%s)", self.name, e)
                 return
+            try:
+                self.on_frame(frames, i)
+            except Exception as e:  # noqa: BLE001 - no frame ends the feed (a bug here is logged and counted)
+                self.bad += 1
+                log.warning("kvpool route: a KV events frame of %s was dropped (%s: %s)", self.name,
+                            type(e).__name__, e)
+
+    def on_frame(self, frames: list, i: int = 0) -> None:
+        """One frame as received on socket ``i`` (``[topic, sequence number, payload]``), applied
+        or counted bad."""
+        self.frames += 1
+        self.last_frame = time.monotonic()
+        one = self._decode(frames[1], frames[2]) if len(frames) == 3 else None
+        if one is None:
             if len(frames) != 3:
                 self.bad += 1
-                continue
-            one = self._decode(frames[1], frames[2])
-            if one is None:
-                continue
-            seq, events = one
-            if replayed is not None and replayed[0] <= seq <= replayed[1]:
-                continue  # published while the replay ran: applied from it already
-            if last is not None and seq != last + 1:
-                self.gaps += 1
-                log.warning("kvpool route: %s's KV events jumped from %d to %d (lost, or the instance restarted): "
-                            "its GPU cache view starts over", self.name, last, seq)
-                self.view.clear()
-            last = seq
-            self._apply(events)
+            return
+        seq, events = one
+        replayed = self._replayed[i]
+        if replayed is not None and replayed[0] <= seq <= replayed[1]:
+            return  # published while the replay ran: applied from it already
+        last = self._last[i]
+        if last is not None and seq != last + 1:
+            self.gaps += 1
+            log.warning("kvpool route: %s's KV events jumped from %d to %d (lost, or the instance restarted): "
+                        "its GPU cache view starts over", self.name, last, seq)
+            self.view.clear()
+        self._last[i] = seq
+        self._apply(events)
+
+    @property
+    def alive(self) -> bool:
+        """Subscribed, and every reader still reading."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
 
     def close(self) -> None:
         for t in self._tasks:
@@ -156,5 +187,7 @@ class EventFeed:
         self._tasks, self._socks = [], []
 
     def figures(self) -> dict:
-        return {"addresses": self.addresses, "batches": self.batches, "replayed": self.replayed, "gaps": self.gaps,
-                "bad_frames": self.bad}
+        age = None if self.last_frame is None else time.monotonic() - self.last_frame
+        return {"addresses": self.addresses, "alive": self.alive, "frames": self.frames, "batches": self.batches,
+                "replayed": self.replayed, "gaps": self.gaps, "bad_frames": self.bad, "last_frame_age_s": age,
+                "overflows": self.view.overflows}

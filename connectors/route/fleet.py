@@ -3,11 +3,16 @@
 Each instance is a vLLM OpenAI server, named by its URL, on a node whose pool shard is ``shard``
 (``--instance URL,shard=ID``; without one, the shard of the router's own node). Every
 ``health_s`` the router asks each instance ``/health`` and ``/metrics`` (requests running and
-waiting), each within two intervals (at least 2 s): an instance whose ``/health`` fails, or that
-refused a forwarded request, is down (no request is sent to it) until it answers again; its GPU cache view
-is dropped and rebuilt from its events once it is back. An instance that comes up is asked where
-its KV events are published (:mod:`kvpool.connectors.route.events`); without them its GPU cache is
-unknown (the pool's tiers and the load still route it).
+waiting), each within two intervals (at least 2 s).
+
+An instance is down only when it is: a probe that fails on a kept-alive connection (which the
+server may be closing just then: aiohttp's "Cannot write to closing transport"), a forwarded
+request it refused or failed, only make it *suspect*; it is then asked ``/health`` on a fresh
+connection, up to ``PROBE_TRIES`` times, and found down (no request is sent to it, its GPU cache
+view and event feed are dropped) only when every one of those fails. It is up again once it
+answers; its GPU cache view is then rebuilt from its events. An instance that comes up is asked
+where its KV events are published (:mod:`kvpool.connectors.route.events`); without them its GPU
+cache is unknown (the pool's tiers and the load still route it).
 
 Nothing here is state the router cannot rebuild: a restarted router asks again.
 """
@@ -27,6 +32,9 @@ log = logging.getLogger("kvpool.route")
 
 _QUEUE = re.compile(rb"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})? (\S+)$", re.M)
 _STEPS = re.compile(rb"^vllm:iteration_tokens_total_count(?:\{[^}]*\})? (\S+)$", re.M)
+PROBE_TRIES = 3  # probes on fresh connections before an instance is found down
+PROBE_PAUSE_S = 0.2  # between them
+KEEPALIVE_S = 2.0  # NOTE: below the servers' own (uvicorn's 5 s), so the router seldom reuses one they close
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,8 @@ class Upstream:
     fresh: int = 0  # others' requests its last look showed
     feed: EventFeed | None = None
     told_no_events: bool = False
+    downs: int = 0  # times it was found down
+    verifying: asyncio.Task | None = None  # its probes on fresh connections, while they run
 
     @property
     def name(self) -> str:
@@ -90,18 +100,26 @@ class Fleet:
                           for s in specs]
         self.adapters: set[str] = set()  # served LoRA adapters (their chunks are keyed by adapter)
         self._tasks: list[asyncio.Task] = []
-        self.session = None
+        self.session = self._fresh = None
 
-    def start(self, session) -> None:
-        self.session = session
+    def start(self) -> None:
+        import aiohttp
+
+        # kept-alive connections for the periodic looks; a fresh one for each probe before a verdict
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
         self._tasks = [asyncio.ensure_future(self._watch(u)) for u in self.instances]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + [u.verifying for u in self.instances if u.verifying is not None]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for u in self.instances:
             self._drop_feed(u)
+        for s in (self.session, self._fresh):
+            if s is not None:
+                await s.close()
 
     # ------------------------------------------------------------------ health
     async def _watch(self, u: Upstream) -> None:
@@ -114,18 +132,41 @@ class Fleet:
                 log.warning("kvpool route: checking %s failed (%s)", u.name, e)
             await asyncio.sleep(self.health_s)
 
+    async def _probe(self, session, u: Upstream) -> str | None:
+        """Asks its ``/health`` once: None when it answers 200, else why not."""
+        import aiohttp
+
+        try:
+            async with session.get(u.spec.url + "/health", timeout=aiohttp.ClientTimeout(total=self.deadline_s)) as r:
+                return None if r.status == 200 else f"/health answered {r.status}"
+        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as e:
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+    async def verify(self, u: Upstream, why: str) -> bool:
+        """Whether it answers ``/health`` on a fresh connection, tried ``PROBE_TRIES`` times; found
+        down (``why``, and the last probe's answer) when it never does."""
+        for k in range(PROBE_TRIES):
+            if k:
+                await asyncio.sleep(PROBE_PAUSE_S)
+            last = await self._probe(self._fresh, u)
+            if last is None:
+                return True
+        self.mark_down(u, f"{why}; {PROBE_TRIES} probes on fresh connections failed ({last})")
+        return False
+
+    def suspect(self, u: Upstream, why: str) -> None:
+        """A request it failed: verified in the background (once at a time), found down only if so."""
+        if u.up and (u.verifying is None or u.verifying.done()):
+            u.verifying = asyncio.ensure_future(self.verify(u, why))
+
     async def check(self, u: Upstream) -> None:
-        """One health check: /health, then /metrics; down on any failure."""
+        """One health check: /health (verified on fresh connections when it fails), then /metrics."""
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=self.deadline_s)
         ours, sent = len(u.inflight), u.sent  # what of its queue may be this router's (below)
-        try:
-            async with self.session.get(u.spec.url + "/health", timeout=timeout) as r:
-                if r.status != 200:
-                    raise OSError(f"/health answered {r.status}")
-        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as e:
-            self.mark_down(u, f"health check: {e or type(e).__name__}")
+        why = await self._probe(self.session, u)
+        if why is not None and not await self.verify(u, f"health check: {why}"):
             return
         try:
             async with self.session.get(u.spec.url + "/metrics", timeout=timeout) as r:
@@ -150,8 +191,11 @@ class Fleet:
             await self._subscribe(u)
 
     def mark_down(self, u: Upstream, why: str) -> None:
+        """Found down (by :meth:`verify` only)."""
         if u.up or u.why_down == "not asked yet":
             log.warning("kvpool route: %s is down (%s): routed around until it answers again", u.name, why)
+        if u.up:
+            u.downs += 1
         u.up, u.why_down, u.others = False, why, 0
         self._drop_feed(u)
 

@@ -42,16 +42,19 @@ def read_config(text: str) -> dict[str, Any]:
 def build(args) -> "RouteService":  # noqa: F821 - imported below
     from kvpool.connectors.pool_start import verify_tenants
     from kvpool.connectors.pools import open_pool
+    from kvpool.connectors.route.caps import TenantCaps
     from kvpool.connectors.route.costs import OnlineCost
     from kvpool.connectors.route.fleet import Fleet, InstanceSpec
     from kvpool.connectors.route.plan import Planner
-    from kvpool.connectors.route.prompts import Prompts
     from kvpool.connectors.route.proxy import RouteService
+    from kvpool.connectors.route.render import Renderers
     from kvpool.connectors.tenancy import Tenancy
     from kvpool.connectors.vllm_config import split_config
     from kvpool.sim.cluster import DEFAULT_COST
 
     specs = [InstanceSpec.parse(t) for t in args.instance]
+    caps = TenantCaps(args.max_inflight_per_tenant, args.max_body_mib_per_tenant)
+    renderers = Renderers(args.tokenizer or args.model, args.render_workers, args.render_timeout)
     pool_config, own = split_config(read_config(args.config))
     tenancy = Tenancy(pool_config, engine="kvpool route")  # as the engines: the first tenant by default
     pool, chunk_tokens, shard = None, int(pool_config.get("chunk_tokens", 256)), ""
@@ -73,9 +76,10 @@ def build(args) -> "RouteService":  # noqa: F821 - imported below
                          "one: give each --instance URL,shard=ID (kvpool stats lists the shards)")
     tenant_of = (lambda salt: (r.tenant if (r := tenancy.of_secret(salt)) is not None else None))
     fleet = Fleet(specs, tenant_of, shard or pool_config.get("shard", ""), health_s=args.health_interval)
-    planner = Planner(tenancy, Prompts(args.tokenizer or args.model), pool, chunk_tokens)
+    planner = Planner(tenancy, pool, chunk_tokens)
     return RouteService(fleet, planner, args.policy, OnlineCost(DEFAULT_COST), balance=args.balance,
-                        request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout)
+                        request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
+                        renderers=renderers, caps=caps)
 
 
 def run(args) -> int:

@@ -1,5 +1,5 @@
 """What the router knows of one request before it picks an instance: its tenant, its prompt's
-tokens, and where the pool holds each of the prompt's leading chunks.
+tokens (rendered by :mod:`.render`), and where the pool holds each of the prompt's leading chunks.
 
 The tenant comes from the request's ``cache_salt`` exactly as the engines' connector reads it
 (:class:`kvpool.connectors.tenancy.Tenancy` over the same config: a salt that is no tenant's
@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpool.connectors.route.gpu import GpuView, block_chain
-from kvpool.connectors.route.prompts import Prompts
 from kvpool.routing import TIERS
 
 
@@ -63,19 +62,19 @@ class Plan:
 class Planner:
     """``pool``: a SlicedPool of the engines' spec over the router's node (None: no prefix lookups)."""
 
-    def __init__(self, tenancy, prompts: Prompts, pool=None, chunk_tokens: int = 256) -> None:
-        self.tenancy, self.prompts, self.pool, self.chunk_tokens = tenancy, prompts, pool, chunk_tokens
+    def __init__(self, tenancy, pool=None, chunk_tokens: int = 256) -> None:
+        self.tenancy, self.pool, self.chunk_tokens = tenancy, pool, chunk_tokens
 
-    def plan(self, path: str, body: dict, adapter: str = "") -> Plan:
-        """Blocking (tokenizer, one pool lookup): run it off the event loop."""
-        route = self.tenancy.route(body.get("cache_salt"), request="(router)")
+    def route(self, body: dict):
+        """The tenancy's route of the request's ``cache_salt`` (None: no tenant's, not cached)."""
+        return self.tenancy.route(body.get("cache_salt"), request="(router)")
+
+    def plan(self, route, tokens: list[int] | None, adapter: str = "") -> Plan:
+        """Blocking (one pool lookup): run it off the event loop. ``route``: :meth:`route`'s."""
         p = Plan(chunk_tokens=self.chunk_tokens)
-        if route is None:
+        if route is None or not tokens:
             return p
-        p.tokens = self.prompts.tokens(path, body)
-        if not p.tokens:
-            return p
-        p.tenant = route.tenant
+        p.tokens, p.tenant = tokens, route.tenant
         if self.pool is None or not p.whole:
             return p
         try:

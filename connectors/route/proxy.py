@@ -1,14 +1,20 @@
 """``kvpool route``'s HTTP service: an OpenAI-compatible front for several vLLM servers that sends
 each request where its time to first token is expected lowest, and streams the answer back.
 
-Per request (``POST /v1/completions``, ``/v1/chat/completions``): the plan (tenant, tokens, where
-the pool holds each leading chunk: :mod:`.plan`), then each instance that is up is scored by
+Per request (``POST /v1/completions``, ``/v1/chat/completions``): its tenant and its admission
+under the tenant's caps (:mod:`.caps`, 429), its prompt's tokens (rendered in a worker process
+within a deadline: :mod:`.render`, 400 past it), the plan (where the pool holds each leading
+chunk: :mod:`.plan`), then each instance that is up is scored by
 :class:`kvpool.routing.Router` on the prompt's tokens by tier there (its own GPU cache from its
 KV events, its node's shard, another node's, prefill) at the measured costs (:mod:`.costs`)
-against its backlog, and the body is forwarded unchanged. An instance that fails before the client
-has received a byte of its answer (refused, reset, died mid-prefill) is marked down and the
-request goes to the next best one: only a stream already under way can be cut by an instance's
-death. An index that does not answer makes that request least-loaded's.
+against its backlog, and the body is forwarded unchanged, on a connection of its own.
+
+A request is sent to an instance at most once, and to another only when nothing of it reached the
+first (the connection could not be made): then that instance is suspect (:meth:`Fleet.suspect`:
+probed on fresh connections, down only if they fail) and the request goes to the next best one.
+An instance that fails once the request was written to it (it died mid-prefill, reset, cut the
+answer) may have run it: the request is not sent again; the client gets a 502 (or, mid-stream, an
+error event and no ``[DONE]``). An index that does not answer makes that request least-loaded's.
 
 Also: ``GET /v1/models`` (from an instance that is up), ``GET /health`` (200 while one instance is
 up), ``GET /metrics`` (:mod:`.figures`), ``GET /kvpool/route`` (the router's view, JSON). Answers
@@ -28,10 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 from aiohttp import web
 
+from kvpool.connectors.route.caps import CapReached, TenantCaps
 from kvpool.connectors.route.costs import OnlineCost
 from kvpool.connectors.route.figures import Figures
 from kvpool.connectors.route.fleet import Fleet, Upstream
 from kvpool.connectors.route.plan import Plan, Planner
+from kvpool.connectors.route.render import Renderers, RenderTimeout
+from kvpool.errors import BadRequest
 from kvpool.routing import TIERS, Instance, Router
 
 log = logging.getLogger("kvpool.route")
@@ -40,25 +49,37 @@ MAX_BODY = 64 << 20
 PASSED_IN = ("content-type", "authorization", "accept", "x-request-id", "openai-organization", "openai-project")
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade", "proxy-connection", "te",
        "trailer", "server", "date"}
-RETRIED = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)  # refused, reset, died before its answer
+UNSENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # no connection: nothing of it was sent
+FAILED = (aiohttp.ClientError, ConnectionError)  # once written: it may have run there
 
 
-class _Failed(Exception):
-    """The instance failed before the client saw a byte: try another."""
+class _Unsent(Exception):
+    """Nothing of the request reached the instance: another may take it."""
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(status, "error")
+    kind = {400: "invalid_request_error", 429: "rate_limit_exceeded", 502: "bad_gateway", 503: "service_unavailable",
+            504: "timeout"}.get(status, "error")
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _failed_on(u: Upstream, e: BaseException) -> str:
+    return (f"{u.name} failed while this request was on it ({type(e).__name__}: {e}); it was not sent to another "
+            "instance, as it may have run there: retry it if that is safe")
 
 
 class RouteService:
     def __init__(self, fleet: Fleet, planner: Planner, policy: str, cost: OnlineCost, *, balance: float = 1.25,
-                 request_timeout_s: float = 600.0, connect_timeout_s: float = 3.0) -> None:
+                 request_timeout_s: float = 600.0, connect_timeout_s: float = 3.0, renderers: Renderers | None = None,
+                 caps: TenantCaps | None = None) -> None:
         self.fleet, self.planner, self.cost = fleet, planner, cost
+        self.renderers = renderers or Renderers(None)
+        self.caps = caps or TenantCaps()
         self.router = Router(policy, cost.model(), balance)
         self.fallback = Router("least-loaded", cost.model())
         self.figures = Figures()
+        self.figures.follow(lambda: [(u.name, u.downs, u.feed.figures() if u.feed else None)
+                                     for u in self.fleet.instances])
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._executor = ThreadPoolExecutor(4, thread_name_prefix="kvpool-route")
         self._ids = itertools.count()
@@ -79,14 +100,19 @@ class RouteService:
         return app
 
     async def _start(self, app) -> None:
-        # NOTE: bodies pass through as the instance sent them (no decompression), and connections
-        # are kept alive per instance
-        self.session = aiohttp.ClientSession(auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
-        self.fleet.start(self.session)
+        # NOTE: bodies pass through as the instance sent them (no decompression). Each request gets
+        # a connection of its own: on a kept-alive one the server may be closing just as the request
+        # is written, and then nobody can tell whether it arrived (a connect costs far less than a
+        # request); on a fresh one, a failure before it is made is the only one known to send nothing
+        self.session = aiohttp.ClientSession(auto_decompress=False,
+                                             connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        self.fleet.start()
+        self.renderers.start()
 
     async def _stop(self, app) -> None:
         await self.fleet.close()
         await self.session.close()
+        self.renderers.close()
         self._executor.shutdown(wait=False)
 
     # ------------------------------------------------------------------ the decision
@@ -111,9 +137,25 @@ class RouteService:
             body = None
         if not isinstance(body, dict):
             return _error(400, "the request body is not a JSON object")
+        route = self.planner.route(body)
+        try:
+            held = self.caps.admit(None if route is None else route.tenant, len(raw))
+        except CapReached as e:
+            self.figures.refused.labels(e.cap).inc()
+            return _error(429, e.message)
+        with held:
+            return await self._routed(request, raw, body, route)
+
+    async def _routed(self, request: web.Request, raw: bytes, body: dict, route) -> web.StreamResponse:
         adapter = body.get("model") if body.get("model") in self.fleet.adapters else ""
-        plan = await asyncio.get_running_loop().run_in_executor(self._executor, self.planner.plan, request.path,
-                                                                body, adapter)
+        try:
+            tokens = None if route is None else await self.renderers.tokens(route.tenant, request.path, raw, body)
+        except BadRequest as e:
+            if isinstance(e, RenderTimeout):
+                self.figures.render_timeouts.inc()
+            return _error(400, e.message)
+        plan = await asyncio.get_running_loop().run_in_executor(self._executor, self.planner.plan, route, tokens,
+                                                                adapter)
         if plan.error:
             self.figures.index_errors.inc()
         tried: set[int] = set()
@@ -121,7 +163,7 @@ class RouteService:
             picked = self.choose(plan, tried)
             if picked is None:
                 return _error(503, "no engine instance is up: " + "; ".join(
-                    f"{u.name}: {u.why_down or 'failed this request'}" for u in self.fleet.instances))
+                    f"{u.name}: {u.why_down or 'could not be reached for this request'}" for u in self.fleet.instances))
             u, tiers = picked
             rid, expected = next(self._ids), self.cost.overhead_s + self.cost.model().seconds(tiers)
             self._mean_s = expected if not self._mean_s else 0.9 * self._mean_s + 0.1 * expected
@@ -130,8 +172,8 @@ class RouteService:
             u.sent += 1
             try:
                 return await self._forward(request, raw, body, u, tiers, clean)
-            except _Failed as e:
-                self.fleet.mark_down(u, str(e))
+            except _Unsent as e:
+                self.fleet.suspect(u, str(e))
                 self.figures.requests.labels(u.name, "retried").inc()
                 tried.add(self.fleet.instances.index(u))
             finally:
@@ -144,17 +186,19 @@ class RouteService:
         t0 = loop.time()
         try:
             up = await self.session.post(u.spec.url + request.path_qs, data=raw, headers=headers, timeout=self.timeout)
-        except RETRIED as e:
-            raise _Failed(f"{type(e).__name__}: {e}") from None
+        except UNSENT as e:
+            raise _Unsent(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
             self.figures.requests.labels(u.name, "failed").inc()
             return _error(504, f"{u.name} did not answer in time")
+        except FAILED as e:
+            return self._lost(u, e)
         tag = {"x-kvpool-instance": u.name, "x-kvpool-tiers": ",".join(f"{t}={tiers[t]}" for t in TIERS)}
         passed = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
         try:
             async with up:
                 if "text/event-stream" not in up.headers.get("content-type", ""):
-                    data = await up.read()  # an instance dying before its answer is whole: another tries
+                    data = await up.read()
                     ttft = loop.time() - t0
                     self._account(u, up.status, tiers, ttft, clean and body.get("max_tokens") == 1, data, passed)
                     return web.Response(body=data, status=up.status, headers={**passed, **tag})
@@ -162,13 +206,19 @@ class RouteService:
                 ttft = loop.time() - t0
                 out = web.StreamResponse(status=up.status, headers={**passed, **tag})
                 self._account(u, up.status, tiers, ttft, clean, None, passed)
-                # NOTE: from the first byte written on, the client has the answer's start: no retry
                 return await self._stream(request, out, up, part, u)
-        except RETRIED as e:
-            raise _Failed(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
             self.figures.requests.labels(u.name, "failed").inc()
             return _error(504, f"{u.name} did not finish its answer in time")
+        except FAILED as e:
+            return self._lost(u, e)
+
+    def _lost(self, u: Upstream, e: BaseException) -> web.Response:
+        """The instance failed with the request on it: a 502, never a second instance."""
+        log.warning("kvpool route: %s failed with a request on it (%s: %s)", u.name, type(e).__name__, e)
+        self.figures.requests.labels(u.name, "failed").inc()
+        self.fleet.suspect(u, f"failed a request: {type(e).__name__}: {e}")
+        return _error(502, _failed_on(u, e))
 
     async def _stream(self, request: web.Request, out: web.StreamResponse, up, part: bytes,
                       u: Upstream) -> web.StreamResponse:
@@ -189,11 +239,10 @@ class RouteService:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("kvpool route: %s cut a streamed answer (%s)", u.name, e)
                 self.figures.requests.labels(u.name, "failed").inc()
-                self.fleet.mark_down(u, f"cut a stream: {e}")
+                self.fleet.suspect(u, f"cut a stream: {e}")
                 # NOTE: the client is told, as vLLM tells it of an error mid-stream, and the stream is
                 # left unterminated (no [DONE], no last chunk): it cannot pass for a whole answer
-                error = {"error": {"message": f"the engine instance serving this answer failed ({e})",
-                                   "type": "service_unavailable", "code": 503}}
+                error = {"error": {"message": _failed_on(u, e), "type": "bad_gateway", "code": 502}}
                 with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionError):
                     await out.write(b"data: " + json.dumps(error).encode() + b"\n\n")
                 if request.transport is not None:
@@ -247,7 +296,7 @@ class RouteService:
                     return web.Response(body=await r.read(), status=r.status,
                                         content_type=r.content_type or "application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self.fleet.mark_down(u, f"/v1/models: {e}")
+                self.fleet.suspect(u, f"/v1/models: {type(e).__name__}: {e}")
         return _error(503, "no engine instance is up")
 
     async def health(self, request: web.Request) -> web.Response:
@@ -269,7 +318,7 @@ class RouteService:
     async def state(self, request: web.Request) -> web.Response:
         return web.json_response({
             "policy": self.router.policy, "cost": self.cost.figures(), "mean_request_s": self._mean_s,
-            "tenancy": self.planner.tenancy.stats(),
+            "tenancy": self.planner.tenancy.stats(), "render": self.renderers.figures(), "caps": self.caps.figures(),
             "instances": [{"url": u.name, "shard": u.spec.shard, "up": u.up, "why_down": u.why_down,
                            "others_queued": u.others, "inflight": len(u.inflight), "backlog_s": u.backlog_s(self._mean_s),
                            "gpu_blocks": len(u.view), "events": u.feed.figures() if u.feed else None}
