@@ -3,7 +3,8 @@ engine instance is the label ``engine`` (its URL): Prometheus keeps ``instance``
 it scrapes.
 
 - ``kvpool_route_requests_total{engine,outcome}``: ``ok``, ``failed`` (the client got an error or
-  a cut stream), ``retried`` (the instance failed before answering; sent to another),
+  a cut stream), ``retried`` (no connection to the instance could be made, so nothing of the
+  request reached it; sent to another),
   ``client_gone`` (the client left mid-stream);
 - ``kvpool_route_prompt_tokens_total{tier}``: prompt tokens of routed requests by the tier the
   router expected them from on the chosen instance (``gpu``, ``node``, ``remote``, ``miss``);
