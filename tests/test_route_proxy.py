@@ -423,3 +423,60 @@ def test_a_tenant_past_its_cap_gets_a_429_naming_it_and_others_are_served():
         assert 'kvpool_route_refused_total{cap="inflight"} 1.0' in text
         assert 'kvpool_route_refused_total{cap="body_bytes"} 1.0' in text
     run(test, caps=TenantCaps(inflight=2, body_mib=1.0))
+
+
+class _Dying:
+    """An instance killed an instant ago, as the router sees it while the kernel still takes its
+    connections: GETs are answered (its last health probe passed), a POST's head is read and the
+    connection dropped before the body is asked for (no 100 Continue)."""
+
+    def __init__(self) -> None:
+        self.heads, self.body_bytes = 0, 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader, writer) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"POST"):
+            self.heads += 1
+            try:
+                self.body_bytes += len(await asyncio.wait_for(reader.read(1 << 16), 0.2))
+            except asyncio.TimeoutError:
+                pass
+            writer.transport.abort()  # a reset, as the kernel sends for a dead process's connections
+            return
+        body = b"{}" if b"/kv_event_sources" in head or b"/v1/models" in head else b""
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+
+def test_a_request_whose_body_never_left_is_sent_to_another_instance():
+    """With the request's head written but its body never asked for, nothing the instance could run
+    reached it: the request goes to the next instance, and the client never sees the failure."""
+    async def main():
+        dying, live = _Dying(), Stand("s1")
+        await live.start()
+        urls = [await dying.start(), live.url]
+        tenancy = Tenancy(CFG, engine="test")
+        fleet = Fleet([InstanceSpec(u, f"shard-{i}") for i, u in enumerate(urls)], lambda salt: None, "",
+                      health_s=HEALTH_S)
+        service = RouteService(fleet, Planner(tenancy, None, 8), "round-robin",
+                               OnlineCost(CostModel(prefill_s=1e-3, node_s=1e-5, remote_s=1e-4)), connect_timeout_s=1.0)
+        client = TestClient(TestServer(service.app()))
+        await client.start_server()
+        try:
+            await until(lambda: all(u.up for u in fleet.instances))
+            for _ in range(4):  # round-robin: the dying instance's turn comes
+                r, body = await post(client, {})
+                assert r.status == 200 and json.loads(body)["instance"] == "s1"
+            assert dying.heads >= 1 and dying.body_bytes == 0 and len(live.bodies) == 4
+            text = (await (await client.get("/metrics")).read()).decode()
+            assert f'kvpool_route_requests_total{{engine="{urls[0]}",outcome="retried"}} {dying.heads}.0' in text
+        finally:
+            await client.close()
+            await live.server.close()
+            dying.server.close()
+    asyncio.run(main())

@@ -5,6 +5,7 @@ planner over a real pool (tenants apart), the measured cost model, and the insta
 from __future__ import annotations
 
 import json
+import uuid
 
 import msgpack
 import numpy as np
@@ -350,7 +351,7 @@ def test_a_malformed_frame_is_counted_and_dropped_and_changes_nothing(frames):
     from kvpool.connectors.route.events import EventFeed
 
     view = GpuView(lambda salt: "default")
-    feed = EventFeed(view, "test", [(f"inproc://frames-{id(frames)}", True)])
+    feed = EventFeed(view, "test", [(f"inproc://frames-{uuid.uuid4().hex}", True)])  # NOTE: a name never reused
     try:
         feed.on_frame([b"", (0).to_bytes(8, "big"), msgpack.packb([1.0, [stored([1], [1, 2, 3, 4])], 0])])
         for f in frames:
@@ -426,3 +427,32 @@ def test_a_view_flooded_past_its_cap_starts_over():
     assert len(view) == 6 and view.overflows == 0
     view.apply(stored([7, 8, 9], list(range(100, 112))))  # 9 blocks: past the cap
     assert len(view) == 0 and view.overflows == 1
+
+
+def test_free_render_workers_go_to_the_tenants_waiting_in_turn():
+    """One tenant's many renders queued first do not hold up another's: the next free worker goes
+    to the next tenant waiting, not to the next request."""
+    import asyncio
+
+    from kvpool.connectors.route.render import Renderers
+
+    async def main():
+        r = Renderers(None, workers=1, timeout_s=5.0)
+        r.start()  # no tokenizer: no process; the worker below is a stand-in
+        worker, order = object(), []
+
+        async def render(tenant: str, k: int) -> None:
+            w = await r._take(tenant)
+            assert w is worker
+            order.append(f"{tenant}{k}")
+            await asyncio.sleep(0)
+            r._give(w)
+
+        r._give(worker)
+        first = asyncio.ensure_future(render("a", 0))  # takes the one worker
+        waiting = [asyncio.ensure_future(render(t, k)) for t, k in (("a", 1), ("a", 2), ("a", 3), ("b", 0))]
+        await asyncio.gather(first, *waiting)
+        assert order == ["a0", "a1", "b0", "a2", "a3"]
+        r.close()
+
+    asyncio.run(main())

@@ -100,12 +100,15 @@ def run(runs: int = 5, tenants: int = 3, conversations: int = 2, turns: int = 4,
 class Bed:
     """The set-up (see the module docstring), started by :meth:`start`, torn down by :meth:`close`:
     ``servers`` (one a node), ``routers`` (one an arm, by policy), ``ids`` (each arm's tenants),
-    ``secrets`` (each tenant's request secret), ``cfg`` (the model's config), ``shards``."""
+    ``secrets`` (each tenant's request secret), ``cfg`` (the model's config), ``shards``.
+    ``server_args``, ``server_env``: more of ``vllm serve``'s arguments and environment for each server."""
 
     def __init__(self, model: str, tenants: int, context: int, progress: bool = True,
-                 policies: tuple[str, ...] = ARMS) -> None:
+                 policies: tuple[str, ...] = ARMS, server_args: tuple[str, ...] = (),
+                 server_env: dict[str, str] | None = None) -> None:
         self.workdir = tempfile.mkdtemp(prefix="kvpool-bench-route-")
         self.progress, self.context, self.policies = progress, context, policies
+        self.server_args, self.server_env = server_args, server_env or {}
         self.to_close: list = []
         self.model_dir, self.cfg = _model(model, self.workdir)
         self.ids = {arm: [f"{arm[:2]}{i}" for i in range(tenants)] for arm in policies}
@@ -129,8 +132,8 @@ class Bed:
                       "replay_endpoint": f"ipc://{self.workdir}/replay-{i}"}
             s = Server(self.model_dir, self.pool.connector_config(shard=sid), self.context, self.workdir,
                        multiprocess=True, max_model_len=self.context + 64,
-                       extra_args=("--kv-events-config", json.dumps(events)),
-                       extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1))})
+                       extra_args=("--kv-events-config", json.dumps(events), *self.server_args),
+                       extra_env={"VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1)), **self.server_env})
             self.to_close.append(s)
             self.servers.append(s)
         for s in self.servers:

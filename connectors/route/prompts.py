@@ -78,8 +78,9 @@ def refused(path: str, body: dict) -> str | None:
         return "chat_template_kwargs: a JSON object of the chat template's variables"
     bad = sorted(k for k in UNTRUSTED if k in kwargs)
     if bad:
-        return (f"chat_template_kwargs may not set {', '.join(bad)}: the chat template is the server's "
-                "(vLLM refuses these too); pass only the variables its template reads")
+        return (f"chat_template_kwargs may not set {', '.join(bad)} (vLLM refuses it too): pass only the variables "
+                "the server's template reads; a template of the request's own goes in the top-level chat_template, "
+                "which vLLM takes when started with --trust-request-chat-template")
     return None
 
 

@@ -9,12 +9,15 @@ chunk: :mod:`.plan`), then each instance that is up is scored by
 KV events, its node's shard, another node's, prefill) at the measured costs (:mod:`.costs`)
 against its backlog, and the body is forwarded unchanged, on a connection of its own.
 
-A request is sent to an instance at most once, and to another only when nothing of it reached the
-first (the connection could not be made): then that instance is suspect (:meth:`Fleet.suspect`:
-probed on fresh connections, down only if they fail) and the request goes to the next best one.
-An instance that fails once the request was written to it (it died mid-prefill, reset, cut the
-answer) may have run it: the request is not sent again; the client gets a 502 (or, mid-stream, an
-error event and no ``[DONE]``). An index that does not answer makes that request least-loaded's.
+A request is sent to an instance at most once, and to another only when its body never reached
+the first: the connection could not be made, or it failed before the instance asked for the body
+(the request goes with ``Expect: 100-continue``, and vLLM's server asks for the body only as it
+takes the request on; a server already killed, whose socket the kernel still accepts on, never
+does). Then that instance is suspect (:meth:`Fleet.suspect`: probed on fresh connections, down
+only if they fail) and the request goes to the next best one. An instance that fails once the
+body was on its way (it died mid-prefill, reset, cut the answer) may have run it: the request is
+not sent again; the client gets a 502 (or, mid-stream, an error event and no ``[DONE]``). An index
+that does not answer makes that request least-loaded's.
 
 Also: ``GET /v1/models`` (from an instance that is up), ``GET /health`` (200 while one instance is
 up), ``GET /metrics`` (:mod:`.figures`), ``GET /kvpool/route`` (the router's view, JSON). Answers
@@ -50,7 +53,12 @@ PASSED_IN = ("content-type", "authorization", "accept", "x-request-id", "openai-
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "upgrade", "proxy-connection", "te",
        "trailer", "server", "date"}
 UNSENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)  # no connection: nothing of it was sent
-FAILED = (aiohttp.ClientError, ConnectionError)  # once written: it may have run there
+FAILED = (aiohttp.ClientError, ConnectionError)  # its body sent: it may have run there
+
+
+async def _body_going(session, ctx, params) -> None:
+    """A request's body is about to be written (aiohttp calls this before each chunk)."""
+    ctx.trace_request_ctx["body"] = True
 
 
 class _Unsent(Exception):
@@ -104,7 +112,9 @@ class RouteService:
         # a connection of its own: on a kept-alive one the server may be closing just as the request
         # is written, and then nobody can tell whether it arrived (a connect costs far less than a
         # request); on a fresh one, a failure before it is made is the only one known to send nothing
-        self.session = aiohttp.ClientSession(auto_decompress=False,
+        traced = aiohttp.TraceConfig()
+        traced.on_request_chunk_sent.append(_body_going)
+        self.session = aiohttp.ClientSession(auto_decompress=False, trace_configs=[traced],
                                              connector=aiohttp.TCPConnector(limit=0, force_close=True))
         self.fleet.start()
         self.renderers.start()
@@ -184,14 +194,20 @@ class RouteService:
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_IN}
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        sent = {"body": False}
         try:
-            up = await self.session.post(u.spec.url + request.path_qs, data=raw, headers=headers, timeout=self.timeout)
+            # NOTE: the body goes once the instance asks for it (100 Continue): until then nothing it
+            # could run has reached it, and a failure may be sent elsewhere
+            up = await self.session.post(u.spec.url + request.path_qs, data=raw, headers=headers, timeout=self.timeout,
+                                         expect100=True, trace_request_ctx=sent)
         except UNSENT as e:
             raise _Unsent(f"{type(e).__name__}: {e}") from None
         except asyncio.TimeoutError:
             self.figures.requests.labels(u.name, "failed").inc()
             return _error(504, f"{u.name} did not answer in time")
         except FAILED as e:
+            if not sent["body"]:
+                raise _Unsent(f"{type(e).__name__} before it asked for the body: {e}") from None
             return self._lost(u, e)
         tag = {"x-kvpool-instance": u.name, "x-kvpool-tiers": ",".join(f"{t}={tiers[t]}" for t in TIERS)}
         passed = {k: v for k, v in up.headers.items() if k.lower() not in HOP}
@@ -319,7 +335,7 @@ class RouteService:
         return web.json_response({
             "policy": self.router.policy, "cost": self.cost.figures(), "mean_request_s": self._mean_s,
             "tenancy": self.planner.tenancy.stats(), "render": self.renderers.figures(), "caps": self.caps.figures(),
-            "instances": [{"url": u.name, "shard": u.spec.shard, "up": u.up, "why_down": u.why_down,
+            "instances": [{"url": u.name, "shard": u.spec.shard, "up": u.up, "why_down": u.why_down, "downs": u.downs,
                            "others_queued": u.others, "inflight": len(u.inflight), "backlog_s": u.backlog_s(self._mean_s),
                            "gpu_blocks": len(u.view), "events": u.feed.figures() if u.feed else None}
                           for u in self.fleet.instances]})

@@ -30,6 +30,7 @@ from kvpool.errors import BadRequest
 log = logging.getLogger("kvpool.route")
 
 READY_TIMEOUT_S = 300.0  # a worker loading its tokenizer
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 class RenderTimeout(BadRequest):
@@ -96,7 +97,12 @@ class Renderers:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.path is not None:
+        if self.path is not None and os.path.isdir(self.path) and \
+                not any(os.path.exists(os.path.join(self.path, f)) for f in TOKENIZER_FILES):
+            self.has_tokenizer = False  # NOTE: no process is started to find that out
+            log.warning("kvpool route: no tokenizer in %s: text prompts and chat messages are routed on load alone; "
+                        "pass --tokenizer with the served model's", self.path)
+        if self.path is not None and self.has_tokenizer:
             for _ in range(self.workers):
                 self._spawn()
 
@@ -132,24 +138,29 @@ class Renderers:
         w.kill()
 
     def _give(self, w: _Worker) -> None:
-        """A free worker to the next tenant waiting (in turn), else to the idle list."""
-        while self._waiting:
+        self._idle.append(w)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Free workers to the tenants waiting, one request of each in turn."""
+        while self._idle and self._waiting:
             tenant, queue = next(iter(self._waiting.items()))
             while queue and queue[0].done():  # gave up waiting
                 queue.popleft()
-            if not queue:
+            if queue:
+                queue.popleft().set_result(self._idle.pop())
+            if queue:
+                self._waiting.move_to_end(tenant)
+            else:
                 del self._waiting[tenant]
-                continue
-            queue.popleft().set_result(w)
-            self._waiting.move_to_end(tenant)
-            return
-        self._idle.append(w)
 
     async def _take(self, tenant: str) -> _Worker | None:
-        if self._idle and not self._waiting:
-            return self._idle.pop()
+        """A free worker, in this tenant's turn; None when none came within the deadline."""
         fut = self._loop.create_future()
         self._waiting.setdefault(tenant, deque()).append(fut)
+        self._dispatch()
+        if fut.done():
+            return fut.result()
         timer = self._loop.call_later(self.timeout_s, lambda: fut.done() or fut.set_result(None))
         try:
             return await fut
