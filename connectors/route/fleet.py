@@ -166,6 +166,9 @@ class Fleet:
         timeout = aiohttp.ClientTimeout(total=self.deadline_s)
         ours, sent = len(u.inflight), u.sent  # what of its queue may be this router's (below)
         why = await self._probe(self.session, u)
+        if why is not None and not u.up:
+            self.mark_down(u, f"health check: {why}")  # still down (or never up): no verdict to change
+            return
         if why is not None and not await self.verify(u, f"health check: {why}"):
             return
         try:
@@ -191,7 +194,7 @@ class Fleet:
             await self._subscribe(u)
 
     def mark_down(self, u: Upstream, why: str) -> None:
-        """Found down (by :meth:`verify` only)."""
+        """Found down: an instance up only after :meth:`verify`."""
         if u.up or u.why_down == "not asked yet":
             log.warning("kvpool route: %s is down (%s): routed around until it answers again", u.name, why)
         if u.up:

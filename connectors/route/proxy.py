@@ -62,7 +62,7 @@ async def _body_going(session, ctx, params) -> None:
 
 
 class _Unsent(Exception):
-    """Nothing of the request reached the instance: another may take it."""
+    """The request's body never reached the instance (nothing it could run): another may take it."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -110,8 +110,8 @@ class RouteService:
     async def _start(self, app) -> None:
         # NOTE: bodies pass through as the instance sent them (no decompression). Each request gets
         # a connection of its own: on a kept-alive one the server may be closing just as the request
-        # is written, and then nobody can tell whether it arrived (a connect costs far less than a
-        # request); on a fresh one, a failure before it is made is the only one known to send nothing
+        # is written (a connect costs far less than a request); and its body goes only once the
+        # instance asks for it (_forward), so a failure before then is known to have sent nothing
         traced = aiohttp.TraceConfig()
         traced.on_request_chunk_sent.append(_body_going)
         self.session = aiohttp.ClientSession(auto_decompress=False, trace_configs=[traced],
