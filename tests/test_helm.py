@@ -990,8 +990,8 @@ def test_notes_engine_pod_for_the_node_backend(tmp_path, value_set):
                      "tenants": tenants, "tenant": vals["engineTenant"],
                      "start_timeout_s": vals.get("engineStartTimeoutS", 600)}
     assert check_config(extra)["backend"] == "node"
-    # the pod part validates as a Kubernetes PodSpec (the image is the operator's)
-    c["image"] = "vllm-with-kvpool:latest"
+    # the chart's image (helm/image/Dockerfile: vLLM's with kvpool), and the pod part validates as a PodSpec
+    assert c["image"] == f"{vals['image']['repository']}:{vals['image']['tag'] or '0.1.0'}"
     try:
         import kubernetes_validate
     except ImportError:
