@@ -394,6 +394,18 @@ def test_chat_templates_render_in_bounded_workers_and_a_hostile_request_fails_al
         assert r.status == 200 and r.headers["x-kvpool-tiers"].endswith("miss=4")
         text = (await (await client.get("/metrics")).read()).decode()
         assert "kvpool_route_render_timeouts_total 1.0" in text
+        # a router whose workers are still loading the tokenizer is not ready yet: a request now would
+        # be routed blind (the README's quickstart waits on /health, then sends a text prompt)
+        service.renderers = fresh = Renderers(tokenizer_dir, workers=1, timeout_s=2.0)
+        try:
+            fresh.start()
+            r = await client.get("/health")
+            assert r.status == 503 and (await r.json())["prompts_ready"] is False
+            await until(lambda: fresh.ready, timeout_s=60)
+            assert (await client.get("/health")).status == 200
+        finally:
+            fresh.close()
+            service.renderers = renderers  # closed with the router
     run(test, renderers=Renderers(tokenizer_dir, workers=2, timeout_s=2.0))
 
 

@@ -20,7 +20,7 @@ not sent again; the client gets a 502 (or, mid-stream, an error event and no ``[
 that does not answer makes that request least-loaded's.
 
 Also: ``GET /v1/models`` (from an instance that is up), ``GET /health`` (200 while one instance is
-up), ``GET /metrics`` (:mod:`.figures`), ``GET /kvpool/route`` (the router's view, JSON). Answers
+up, once the render workers hold the tokenizer), ``GET /metrics`` (:mod:`.figures`), ``GET /kvpool/route`` (the router's view, JSON). Answers
 carry ``x-kvpool-instance`` (where it went) and ``x-kvpool-tiers`` (the prompt's tokens by tier
 expected there, the requester's own tenant's).
 """
@@ -316,9 +316,9 @@ class RouteService:
         return _error(503, "no engine instance is up")
 
     async def health(self, request: web.Request) -> web.Response:
-        up = sum(u.up for u in self.fleet.instances)
-        return web.json_response({"instances_up": up, "instances": len(self.fleet.instances)},
-                                 status=200 if up else 503)
+        up, ready = sum(u.up for u in self.fleet.instances), self.renderers.ready
+        return web.json_response({"instances_up": up, "instances": len(self.fleet.instances), "prompts_ready": ready},
+                                 status=200 if up and ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         f = self.figures

@@ -11,7 +11,9 @@ Free workers are handed out in turn across tenants (the next tenant that waits, 
 request), so one tenant's heavy renders cannot hold up another's. A request that finds no worker
 free within ``timeout_s`` (all busy, or being replaced), or whose worker dies, is routed on load
 alone (``skipped``): it is served, without its prefix's locality. Prompts given as token ids need
-no worker. Without a tokenizer there are no workers, and only token-id prompts are scored.
+no worker. Without a tokenizer there are no workers, and only token-id prompts are scored. The
+router's ``/health`` waits for :attr:`Renderers.ready`: its workers load the tokenizer at start
+(seconds), and a request sent before would be routed on load alone.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class Renderers:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._starting = 0  # workers loading their tokenizer
+        self._ever_ready = False
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -114,22 +118,35 @@ class Renderers:
             w.kill()
         self._threads.shutdown(wait=False)
 
+    @property
+    def ready(self) -> bool:
+        """Whether prompts are rendered yet: a worker has held the tokenizer, or none is still
+        loading it (none there, or none started)."""
+        return self._ever_ready or not self._starting
+
     def _spawn(self) -> None:
         """A new worker, handed out once its tokenizer is loaded (waited for in a thread)."""
         def bring_up() -> None:
-            w = _Worker(self.path)
-            with self._lock:
-                self._all.add(w)
-            ok = w.ready()
-            if ok is None or self._closed:
-                self._retire(w)
-                if not self._closed:
-                    log.warning("kvpool route: a render worker did not start; text prompts are routed on load")
-                return
-            if not ok:
-                self.has_tokenizer = False
-            self._loop.call_soon_threadsafe(self._give, w)
+            try:
+                w = _Worker(self.path)
+                with self._lock:
+                    self._all.add(w)
+                ok = w.ready()
+                if ok is None or self._closed:
+                    self._retire(w)
+                    if not self._closed:
+                        log.warning("kvpool route: a render worker did not start; text prompts are routed on load")
+                    return
+                if not ok:
+                    self.has_tokenizer = False
+                self._ever_ready = True
+                self._loop.call_soon_threadsafe(self._give, w)
+            finally:
+                with self._lock:
+                    self._starting -= 1
 
+        with self._lock:
+            self._starting += 1
         self._threads.submit(bring_up)
 
     def _retire(self, w: _Worker) -> None:
@@ -217,5 +234,6 @@ class Renderers:
         return value  # type: ignore[return-value]
 
     def figures(self) -> dict:
-        return {"workers": len(self._all), "idle": len(self._idle), "waiting": sum(map(len, self._waiting.values())),
+        return {"ready": self.ready, "workers": len(self._all), "idle": len(self._idle),
+                "waiting": sum(map(len, self._waiting.values())),
                 "timeouts": self.timeouts, "skipped": self.skipped, "has_tokenizer": self.has_tokenizer}
