@@ -93,8 +93,10 @@ class TieredCache:
         res = self.res
         if parent != NO_PARENT:
             res.children[parent] += 1  # making room must not drop the parent (moving it is fine)
+        failed = True
         try:
             page = self._alloc_page(0)
+            failed = False
         except PoolFull:
             self.counts["refused"] += 1
             if raise_full:
@@ -103,6 +105,8 @@ class TieredCache:
         finally:
             if parent != NO_PARENT:
                 res.children[parent] -= 1
+                if failed and not res.children[parent]:  # a leaf again (its child never came): a policy
+                    self.policies[self.node_tier[parent]].on_leaf(parent)  # that set it aside takes it back
         node = self.nodes.alloc()
         assert node is not None
         self.node_tier[node] = 0
@@ -237,7 +241,10 @@ class TieredCache:
             res.detach_children(node)
         t, page = self.node_tier[node], self.node_page[node]
         self.policies[t].on_remove(node)
+        parent = res.parent[node]
         res.remove(node)
+        if parent != NO_PARENT and not res.children[parent]:
+            self.policies[self.node_tier[parent]].on_leaf(parent)
         self.pages[t].free(page)
         self.hide(node)
         self.hooks.dropped(node, t, page, reason)
@@ -261,11 +268,15 @@ class TieredCache:
         policy = self.policies[tier]
         res = self.res
         last = tier + 1 == len(self.pages)
+        stuck = False  # the tier below could make no room: victims here go as from the last tier
         # Each failed attempt makes the policy skip one candidate, so one pass over the tier
         # finds anything that can go.
         for _ in range(self.tier_pages[tier] + 8):
             freed = False
-            for v in policy.victims():
+            victims = policy.victims()
+            if not victims:
+                break  # nothing can go now (no attempt changes that)
+            for v in victims:
                 if self.node_tier[v] != tier:
                     break
                 if not policy.can_evict(v):
@@ -280,16 +291,53 @@ class TieredCache:
                     self.counts["evicted"] += 1
                     self.drop(v, "evicted")
                 else:
-                    self._demote(v)
+                    if not stuck:
+                        moved = self._demote(v)
+                        stuck = moved is None
+                    if stuck and not self._drop_under(v):
+                        policy.skip(v)
+                        break
                 freed = True
             if freed:
                 return
+        if stuck and self._drop_any(tier):
+            return
         raise PoolFull(
             f"tier {tier} is full ({self.tier_pages[tier]} pages) and nothing in it can be evicted: "
             "every chunk is leased, pinned or a prefix of one that is"
         )
 
-    def _demote(self, node: int) -> None:
+    def _drop_under(self, node: int) -> bool:
+        """Drops ``node``, or for a prefix a leaf of its subtree, when the tier below cannot take
+        it; False when neither can go.
+        NOTE: the tier below is then full of chunks that cannot go (leased, or prefixes of this
+        tier's chunks: a long prompt's head demoted under its tail); this tier's leaves go, as from
+        the last tier. Without this such a pool made no room ever again."""
+        res = self.res
+        if res.pinned[node] or res.leases[node]:
+            return False
+        if res.children[node]:
+            node = res.leaf_under(node)
+            if node is None:
+                return False
+        self.counts["evicted"] += 1
+        self.drop(node, "evicted")
+        return True
+
+    def _drop_any(self, tier: int) -> bool:
+        """The last resort of a tier whose policy kept naming chunks that could not go while the
+        tier below was stuck: any leaf of the tier that may be dropped (a scan: the slow path)."""
+        res, guard = self.res, self.res.guard
+        for n in range(self.capacity):
+            if (self.node_key[n] is not None and self.node_tier[n] == tier and res.evictable(n)
+                    and (guard is None or guard(n))):
+                self.counts["evicted"] += 1
+                self.drop(n, "evicted")
+                return True
+        return False
+
+    def _demote(self, node: int) -> bool | None:
+        """Moves a node one tier down; None when the tier below has no room."""
         t = self.node_tier[node]
         res = self.res
         res.leases[node] += 1
@@ -297,19 +345,16 @@ class TieredCache:
             page = self._alloc_page(t + 1)
         except PoolFull:
             res.leases[node] -= 1
-            if res.children[node] or res.pinned[node]:
-                raise
-            self.counts["evicted"] += 1
-            self.drop(node, "evicted")  # the lower tier is all leased: drop instead of demoting
-            return
+            return None
         res.leases[node] -= 1
         if not self.hooks.move(node, t, self.node_page[node], t + 1, page):
             self.pages[t + 1].free(page)
             self.drop(node, "corrupt")
-            return
+            return True
         self.policies[t].on_remove(node)
         self.pages[t].free(self.node_page[node])
         self.node_tier[node] = t + 1
         self.node_page[node] = page
         self.policies[t + 1].on_insert(node, res.depth[node], None)
         self.counts["demoted"] += 1
+        return True

@@ -54,6 +54,8 @@ _DEFINITIONS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("lease_waits", "counter", "eviction candidates passed over because they were leased", ()),
     ("rejected_quota", "counter", "writes refused with 429 (tenant over quota)", ("tenant",)),
     ("rejected_full", "counter", "writes refused with 507 (nothing evictable)", ("tier",)),
+    ("cut_writes", "counter", "writes stopped where a prompt's chain outgrew the pool (its leading chunks kept; more "
+     "pages serve longer prompts)", ("tenant",)),
     ("cancelled_requests", "counter", "requests in flight cancelled with 429 to free memory", ("tenant",)),
     ("bytes", "gauge", "payload bytes resident", ("tier",)),
     ("chunks", "gauge", "chunks resident", ("tier",)),

@@ -124,16 +124,16 @@ class Residency:
 
     def leaf_under(self, slot: int, limit: int = 4096) -> int | None:
         """An evictable leaf of ``slot``'s subtree (oldest branches first), or None. Visits at most
-        ``limit`` nodes: a subtree that busy is not cold anyway."""
+        ``limit`` nodes: a subtree that busy is not cold anyway. A leased or pinned chunk stays,
+        but its suffixes may go (a chain being extended leases its parent, not the parent's other
+        branches)."""
         stack = [slot]
         seen = 0
         while stack and seen < limit:
             s = stack.pop()
             seen += 1
-            if self.leases[s] or self.pinned[s]:
-                continue
             if self.children[s] == 0:
-                if self.guard is not None and not self.guard(s):
+                if self.leases[s] or self.pinned[s] or (self.guard is not None and not self.guard(s)):
                     continue
                 return s
             # push youngest first so the oldest child is explored first
@@ -215,22 +215,35 @@ class Policy(ABC):
 
     def chain_tail(self, chains) -> list[int]:
         """For group policies: the evictable end of the first chain that has one, leaf first.
-        A chain is one request's chunks, root to leaf; the run stops at the first chunk that is
-        leased, pinned, guarded, or has a child outside the run (a suffix of another request)."""
+        A chain is one request's chunks, root to leaf; the run starts at its deepest chunk that can
+        go and stops at the first that cannot: leased, pinned, guarded, or with a child other than
+        the one chosen below it (a suffix of another request, or one still being written). Chunks
+        past a gap (one removed) are not each other's prefix. In a tier that demotes rather than
+        drops, a chunk that cannot move is passed over: the chain stays reachable."""
         res = self.res
+        drops, guard = self.drops, res.guard
         for chain in chains:
             out: list[int] = []
-            expect = 0  # children a chunk may have: only the one already chosen below it
             for s in reversed(chain):
                 if res.leases[s] or res.pinned[s]:
-                    break
-                if self.drops and (res.children[s] != expect or (res.guard is not None and not res.guard(s))):
-                    break
+                    if out and drops:
+                        break
+                    continue
+                if drops:
+                    below = 1 if out and res.parent[out[-1]] == s else 0  # the child already chosen
+                    if res.children[s] != below or (guard is not None and not guard(s)):
+                        if out:
+                            break
+                        continue  # NOTE: a prefix of a chunk in use; a chunk above a gap may still go
                 out.append(s)
-                expect = 1
             if out:
                 return out
         return []
+
+    def on_leaf(self, slot: int) -> None:  # noqa: B027 - optional hook, a no-op for scanning policies
+        """``slot`` has no resident child any more (its last one left, from whichever tier, or a
+        chunk being inserted under it found no room): a policy that set it aside while it had
+        children takes it back now. Without this a prefix set aside is never offered again."""
 
     def skip(self, slot: int) -> None:  # noqa: B027 - optional hook, a no-op for scanning policies
         """The cache could not evict ``slot`` or anything under it just now (its suffix is in use):

@@ -182,13 +182,13 @@ class DensityPolicy(Policy):
         self.lists.remove(slot)
         self.size -= 1
         self._remember(self.res.key[slot], c, self.last[slot], self.turn[slot], self.count[slot])
-        res = self.res
-        p = res.parent[slot]
-        if p != NO_PARENT and self.parked[p] and res.children[p] == 1:
-            self.parked[p] = False
-            self.lists.push_head(self.cls[p], p)
         self.cls[slot] = -1
         self.parked[slot] = False
+
+    def on_leaf(self, slot: int) -> None:
+        if self.parked[slot]:  # its suffix is gone: ranked at the head, below everything else
+            self.parked[slot] = False
+            self.lists.push_head(self.cls[slot], slot)
 
     def _remember(self, key: object, c: int, last: int, turn: int, count: int) -> None:
         """A chunk leaves (or is not admitted): it ends at the age its ghost will be forgotten,

@@ -39,6 +39,9 @@ class ImportancePolicy(Policy):
         self.generated = [False] * capacity
         self.members: list[int] = []  # for O(1) uniform sampling
         self.pos = [-1] * capacity
+        # Candidates the cache could not use (a prefix whose suffix is in use) since the last time
+        # victims() found none: passed over, so the lowest score cannot stand in the way for ever.
+        self.skipped: set[int] = set()
 
     def on_insert(self, slot: int, position: int, access: Access | None) -> None:
         self.clock += 1
@@ -59,7 +62,11 @@ class ImportancePolicy(Policy):
         for s in slots:
             self.last[s] = now
 
+    def skip(self, slot: int) -> None:
+        self.skipped.add(slot)
+
     def on_remove(self, slot: int) -> None:
+        self.skipped.discard(slot)
         i = self.pos[slot]
         last = self.members.pop()
         if last != slot:
@@ -83,12 +90,16 @@ class ImportancePolicy(Policy):
         clock, tau, hits, last, att, gen = self.clock, self.tau, self.hits, self.last, self.attention, self.generated
         depth, cost, gw = self.res.depth, self.attention_cost, self.generated_weight
         best, best_score = None, float("inf")
+        skipped = self.skipped
         for s in candidates:
             sc = (1 + hits[s]) / (1 + (clock - last[s]) / tau) * (1 + depth[s] * cost) * (0.5 + att[s])
             if gen[s]:
                 sc *= gw
-            if sc < best_score and movable(s):
+            if sc < best_score and movable(s) and (not skipped or s not in skipped):
                 best, best_score = s, sc
-        if best is None:  # every sample leased or pinned: look at all
+        if best is None:  # every sample leased, pinned or passed over: look at all
+            best = next((s for s in members if movable(s) and s not in skipped), None)
+        if best is None and skipped:  # every candidate passed over once: start over
+            skipped.clear()
             best = next((s for s in members if movable(s)), None)
         return [] if best is None else [best]

@@ -45,6 +45,12 @@ class LruPolicy(Policy):
     def on_remove(self, slot: int) -> None:
         self.lists.remove(slot)
 
+    def skip(self, slot: int) -> None:
+        # A tier that demotes offers prefixes too; one that could not move (the tier below is full
+        # of chunks that cannot go) goes round, or it would be offered first again and again.
+        if self.lists.where[slot] >= 0:
+            self.lists.move_to_tail(0, slot)
+
     def victims(self) -> list[int]:
         can = self.can_evict
         for s in self.lists.iter_from_head(0):

@@ -50,6 +50,11 @@ class RequestFifoPolicy(Policy):
         if not g:
             del self.groups[rid]
 
+    def skip(self, slot: int) -> None:
+        rid = self.group_of[slot]  # a request whose chunks could not go goes round (see LruPolicy.skip)
+        if rid in self.groups:
+            self.groups.move_to_end(rid)
+
     def victims(self) -> list[int]:
         return self.chain_tail(self.groups.values())
 

@@ -48,6 +48,9 @@ class S3FifoPolicy(Policy):
         for s in slots[: access.hit_blocks]:
             if freq[s] < 3:
                 freq[s] += 1
+        self._join_pending()
+
+    def _join_pending(self) -> None:
         # New chunks join small leaf first, so a chain's leaf leaves before its root.
         for s in reversed(self.pending):
             if self.lists.where[s] == -1 and self.res.resident[s]:
@@ -83,6 +86,12 @@ class S3FifoPolicy(Policy):
         while budget > 0:
             budget -= 1
             n_small, n_main = lists.size(SMALL), lists.size(MAIN)
+            if self.pending and (n_small + n_main == 0 or budget == 0):
+                # NOTE: a request still storing its chunks (a prompt longer than the queues hold) is
+                # told of at its end; when nothing else can go, its chunks stored so far join small now.
+                self._join_pending()
+                budget = max(budget, 5 * self.size + 8)
+                continue
             if n_small + n_main == 0:
                 return []
             q = SMALL if n_small and (n_small >= self.small_target() or not n_main) else MAIN

@@ -92,6 +92,13 @@ class TieredPolicy(Policy):
                 del self.contexts[rid]
             self.context_of[slot] = -1
 
+    def skip(self, slot: int) -> None:
+        z = self.lists.where[slot]  # a chunk that could not move goes round (see LruPolicy.skip)
+        if z == LRU:
+            self.lists.move_to_tail(LRU, slot)
+        elif z == WINDOW:
+            self.contexts.move_to_end(self.context_of[slot])
+
     def on_pin(self, slot: int) -> bool:
         return self._pin(slot, explicit=True)
 

@@ -47,9 +47,10 @@ class HoldsMixin:
                 request: ActiveRequest | None = None) -> tuple[int, list[Placement]]:
         """Makes room for consecutive chunks that another process on this node will copy into the
         DRAM slab itself: a hold id and a placement per new chunk, in order (chunks already
-        resident are skipped; the run stops where the policy declines). The quota is charged now
-        (429 changes nothing); ``commit`` makes the chunks findable, ``abort`` (or ``ttl_s``
-        without a commit) gives the pages back."""
+        resident are skipped; the run stops where the policy declines, or where the prompt's chain
+        outgrows the pool). The quota is charged now (429 changes nothing); ``commit`` makes the
+        chunks findable, ``abort`` (or ``ttl_s`` without a commit) gives the pages back. A
+        reservation of nothing holds nothing: its id is 0."""
         t_idx = self.tenants.index(tenant)
         keys = as_keys(keys)
         sizes = _as_list("sizes", sizes)
@@ -89,7 +90,7 @@ class HoldsMixin:
                             break
                         prev = node
                         continue
-                    node = self._insert(k, prev, first_position + i, access, t_idx, None)
+                    node = self._insert(k, prev, first_position + i, access, t_idx, None, len(keys) - i, True)
                     if node is None:
                         break
                     self._nbytes[node] = n
@@ -104,6 +105,9 @@ class HoldsMixin:
             if unused:
                 self.tenants.refund(t_idx, unused)
                 hold.charged -= unused
+            if not hold.nodes:  # nothing to copy: nothing is held (hold 0; committing it stores nothing)
+                self._end_hold(hid)
+                return 0, out
         return hid, out
 
     def commit(self, hold_id: int, checksums: Sequence[int]) -> int:
@@ -113,6 +117,8 @@ class HoldsMixin:
         for cs in checksums:  # all checked before any chunk becomes findable
             if not isinstance(cs, numbers.Integral) or isinstance(cs, bool) or not 0 <= cs < 2**64:
                 raise BadRequest(f"a checksum is the xxh3-64 of a chunk, an int in [0, 2**64), got {cs!r}")
+        if hold_id == 0 and not checksums:
+            return 0  # the reservation of nothing
         with self._lock:
             hold = self._holds.get(hold_id)
             if hold is None or hold.kind != "write":

@@ -39,9 +39,11 @@ class WritesMixin:
         The quota is charged for the whole batch first: a 429 leaves the store as it was. The
         policy may decline a chunk (then nothing after it is stored: a suffix without its prefix
         is unreachable). When nothing can be evicted, the lowest-priority request in flight is
-        cancelled (RequestCancelled, 429, to its owner); with no request in flight it is a 507.
-        Either keeps the chunks stored before it, which are valid, and refunds the rest. Chunks
-        written for a ``request`` stay leased until it ends.
+        cancelled (RequestCancelled, 429, to its owner); with no request in flight it is a 507
+        naming the pool's sizes. Either keeps the chunks stored before it, which are valid, and
+        refunds the rest. A prompt longer than the pool (every tier together; the DRAM tier for
+        chunks that stay leased) stops where it no longer fits, its leading chunks stored, and
+        cancels no request for it. Chunks written for a ``request`` stay leased until it ends.
         """
         _check_request(request)
         t_idx = self.tenants.index(tenant)
@@ -106,7 +108,8 @@ class WritesMixin:
                         nodes.append(node)
                         prev = node
                         continue
-                    node = self._insert(k, prev, first_position + i, access, t_idx, request)
+                    node = self._insert(k, prev, first_position + i, access, t_idx, request, len(keys) - i,
+                                        request is not None)
                     if node is None:  # the policy declined it
                         break
                     writing = node
@@ -131,15 +134,14 @@ class WritesMixin:
                     self.metrics.puts.inc(1, tenant)
                     self.metrics.put_bytes.inc(nb, tenant)
                     prev = node
-            if report:
-                with self._lock:
-                    cache.access(nodes, access)
         except PoolFull:
             with self._lock:
                 self.metrics.rejected_full.inc(1, top.tier)
             raise
         finally:
             with self._lock:
+                if report and nodes:  # NOTE: on a failure too: a policy that has not heard of a stored
+                    cache.access(nodes, access)  # chunk (s3fifo's pending) would never offer it for eviction
                 if charged:
                     self.tenants.refund(t_idx, charged)
                 for n in held:
@@ -151,9 +153,10 @@ class WritesMixin:
         return stored
 
     def _insert(self, key: ChunkKey, prev: int | None, position: int, access: Access, t_idx: int,
-                request: ActiveRequest | None) -> int | None:
+                request: ActiveRequest | None, need: int = 1, stays: bool = False) -> int | None:
         """Inserts under the lock; when nothing can be evicted, cancels the lowest-priority
-        request in flight and tries again."""
+        request in flight and tries again. ``need``: the chunks this write still stores, this one
+        included; ``stays``: they stay leased (a reservation's, a request's)."""
         cache = self._cache
         guarded = self.tenants.any_guarantee
         while True:
@@ -169,15 +172,50 @@ class WritesMixin:
                     self._tenant[node] = t_idx
                 return node
             except PoolFull:
+                if not self._fits_whole(prev, need, stays):
+                    # NOTE: a prompt longer than the pool (every tier, or the top one for chunks
+                    # that stay leased) can never be stored whole: no request is cancelled for it,
+                    # its chain stops here with its leading chunks stored (the rest refunded).
+                    if prev is None:
+                        raise self._full(need) from None
+                    self.metrics.cut_writes.inc(1, self.tenants.by_index(t_idx).id)
+                    return None
                 victim = self._lowest_priority_request()
                 if victim is None:
-                    raise
+                    raise self._full(need) from None
                 self._cancel(victim)
                 if victim is request:
                     raise RequestCancelled(victim.id, victim.tenant, victim.priority) from None
             finally:
                 cache.res.guard = None
                 self._writer = -1
+
+    def _fits_whole(self, prev: int | None, need: int, stays: bool) -> bool:
+        """Could the chain under ``prev`` plus ``need`` more chunks be resident at once: in every
+        tier together (a prefix is never dropped before its suffix), and those that cannot move
+        (leased) in the top tier? Walks up the chain: the slow path only."""
+        cache = self._cache
+        res, tier = cache.res, cache.node_tier
+        depth = held = 0
+        n = NO_PARENT if prev is None else prev
+        while n != NO_PARENT:
+            depth += 1
+            held += tier[n] == 0 and res.leases[n] > 0
+            n = res.parent[n]
+        return depth + need <= cache.capacity and held + (need if stays else 1) <= cache.tier_pages[0]
+
+    def _full(self, need: int) -> PoolFull:
+        """The 507 of a write that finds no room, naming the pool's sizes and the fixes."""
+        cache = self._cache
+        tiers = ", ".join(f"{name} {n} pages" for name, n in zip(self.tier_names, cache.tier_pages))
+        holding = sum(1 for r in self._active.values() if r.nodes)
+        return PoolFull(
+            f"no room for a write of {need} more chunks: every page of the pool ({tiers}, of "
+            f"{self.config.page_bytes} B each) holds a chunk that is leased (being read or written, or by one "
+            f"of the {holding} requests in flight that hold pages), pinned, or a prefix of such a chunk. Retry "
+            "when requests end, or give the pool more pages (kvpool up --dram / --dram-pages, a disk tier with "
+            "--disk-dir); a prompt longer than the pool stores its leading chunks only"
+        )
 
     def _guard(self, node: int) -> bool:
         """May a write by ``self._writer`` drop this node? Not when that would take another tenant
