@@ -9,6 +9,12 @@ node's run dir, and engines whose reports the shard passes on to `kvpool stats`.
 - **Engines reporting.** At most ``MAX_ENGINES_PER_TENANT`` names per tenant on this shard (a name
   is forgotten at its goodbye, or when it has not reported for three of its intervals), past that a
   429: reports cannot grow the shard's or the controller's memory without bound.
+- **Requests in flight, their leases, reservations.** What a tenant opens and may never close
+  (``begin`` without ``end``, ``reserve`` without ``commit``) is counted per tenant on this shard
+  (``OpenCap``): at most ``$KVPOOL_REQUESTS_PER_TENANT`` requests (default 4096), leasing at most
+  ``$KVPOOL_LEASES_PER_TENANT`` chunks (default 262144), and ``$KVPOOL_RESERVATIONS_PER_TENANT``
+  reservations not yet committed (default 1024); past a cap a 429 naming it. A vLLM server has
+  at most its ``--max-num-seqs`` requests in flight, each saving through one reservation at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ STAGE_TENANT_ENV = "KVPOOL_STAGE_MIB_PER_TENANT"
 STAGE_TENANT_MIB = 64
 MAX_ENGINES_PER_TENANT = 64
 REPORT_TTL_S = 600.0  # a name that reports no interval is forgotten after this long
+REQUESTS_ENV, REQUESTS_PER_TENANT = "KVPOOL_REQUESTS_PER_TENANT", 4096
+LEASES_ENV, LEASES_PER_TENANT = "KVPOOL_LEASES_PER_TENANT", 262144
+RESERVATIONS_ENV, RESERVATIONS_PER_TENANT = "KVPOOL_RESERVATIONS_PER_TENANT", 1024
 
 
 def stage_bytes(page_bytes: int) -> int:
@@ -177,3 +186,49 @@ class EngineNames:
                         "a name is forgotten at its goodbye or when it stops reporting; reuse an engine's name "
                         "across its restarts")
             names[name] = (now, min(ttl, REPORT_TTL_S))
+
+
+class OpenCap:
+    """How many of one kind of thing a tenant keeps open on this shard (requests in flight, the
+    chunks they lease, reservations), capped per tenant: ``take`` refuses past the cap with a 429
+    naming it and changes nothing; ``give`` when one closes, whichever way (end, expiry, drain)."""
+
+    def __init__(self, what: str, env_name: str, default: int, closes: str, env: dict | None = None) -> None:
+        env = os.environ if env is None else env
+        raw = env.get(env_name, "")
+        try:
+            self.cap = int(raw) if raw.strip() else default
+            if self.cap <= 0:
+                raise ValueError
+        except ValueError:
+            raise BadRequest(f"${env_name}={raw!r}: the {what} a tenant may keep open on a shard, a whole number "
+                             f"> 0 (default {default})") from None
+        self.what, self.env_name, self.closes = what, env_name, closes
+        self.held: dict[str, int] = {}
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def take(self, tenant: str, n: int = 1) -> None:
+        with self._lock:
+            now = self.held.get(tenant, 0)
+            if now + n > self.cap:
+                self.refused += 1
+                raise LimitExceeded(
+                    f"tenant {tenant!r} holds {now} {self.what} on this shard and asks for {n} more; its cap is "
+                    f"{self.cap}: {self.closes}, or raise ${self.env_name} in the shards' environment (`kvpool up`'s "
+                    "for a single-node pool, each Ray node's on a cluster)")
+            if now + n:
+                self.held[tenant] = now + n
+
+    def give(self, tenant: str, n: int = 1) -> None:
+        with self._lock:
+            left = self.held.get(tenant, 0) - n
+            assert left >= 0, (self.what, tenant, left)
+            if left:
+                self.held[tenant] = left
+            else:
+                self.held.pop(tenant, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"by_tenant": dict(self.held), "cap": self.cap, "refused": self.refused}

@@ -22,6 +22,7 @@ import threading
 import time
 
 from kvpool.auth import Principal, scope_tag, scoped
+from kvpool.cluster import node_caps as caps
 from kvpool.cluster.locations import Locations
 from kvpool.cluster.node_caps import EngineNames
 from kvpool.cluster.peers import StreamTransport
@@ -52,8 +53,18 @@ class ShardService:
         self.stall_s = 0.0  # a drill: every data-path call answers this late
         self.observe_get = lambda ms: None  # the shard's metrics (cluster/metrics.py) hook in here
         self.answer_by = threading.local()  # ``t``: when the caller of this thread's operation gives up
-        self.requests: dict[int, tuple[object, float]] = {}  # request id -> (ActiveRequest, deadline)
-        self.reserved: dict[int, list[ChunkKey]] = {}  # reservation id -> the addresses its commit publishes
+        # request id -> (ActiveRequest, deadline, the chunks its begin asked to lease here)
+        self.requests: dict[int, tuple[object, float, int]] = {}
+        self.reserved: dict[int, tuple[str, list[ChunkKey]]] = {}  # reservation id -> (tenant, what it publishes)
+        # What a tenant keeps open here, capped per tenant (cluster/node_caps.py): 429 past a cap.
+        self.open_requests = caps.OpenCap("requests in flight", caps.REQUESTS_ENV, caps.REQUESTS_PER_TENANT,
+                                          "end the requests it no longer serves (each ends at its end, or after "
+                                          "request_ttl_s)")
+        self.open_leases = caps.OpenCap("chunks leased by its requests", caps.LEASES_ENV, caps.LEASES_PER_TENANT,
+                                        "end the requests it no longer serves")
+        self.open_reservations = caps.OpenCap("reservations not yet committed", caps.RESERVATIONS_ENV,
+                                              caps.RESERVATIONS_PER_TENANT,
+                                              "commit or abort them (each ends by itself within its ttl)")
         self.publisher = Publisher(self)
         self.placement = Placement(self)
         self.locations = Locations()
@@ -214,6 +225,8 @@ class ShardService:
         begins the request on this shard in any case (the chunks it writes here join it). Best
         effort: a shard that does not answer leaves its chunks unleased (a later miss)."""
         p = self.who(msg.credential)
+        if not msg.keys:  # no chunk to lease and none its writes could add: nothing is kept anywhere
+            return {"requests": {}, "count": 0}
         where = addresses_of(p, msg.keys, msg.shared)
         located = self.held(p, where)[0]
         by_shard: dict[str, list[int]] = {self.shard_id: []}  # begun here always: the request's writes join it
@@ -230,14 +243,27 @@ class ShardService:
                                                                         msg.shared, msg.priority), (),
                                                    self.peer_deadline()))
             except KvPoolError as e:
-                if e.status in (401, 403, 404):
+                if e.status in (401, 403, 404) or sid == self.shard_id:  # here first: a 429 here begins nothing
                     raise
                 log.warning("shard %s: leasing on shard %s failed (%s)", self.shard_id, sid, e)
         return {"requests": ids, "count": len(located)}
 
     def _begin_here(self, p: Principal, where, priority: str | None) -> int:
-        req = self.store.begin(p.tenant, where, priority)
-        self.requests[req.id] = (req, time.monotonic() + self.request_ttl_s)
+        """A request of ``p`` in flight here, leasing the leading run of ``where`` (its tenant's caps
+        checked first: a refused begin keeps nothing)."""
+        self.open_requests.take(p.tenant)
+        try:
+            self.open_leases.take(p.tenant, len(where))
+        except KvPoolError:
+            self.open_requests.give(p.tenant)
+            raise
+        try:
+            req = self.store.begin(p.tenant, where, priority)
+        except BaseException:
+            self.open_requests.give(p.tenant)
+            self.open_leases.give(p.tenant, len(where))
+            raise
+        self.requests[req.id] = (req, time.monotonic() + self.request_ttl_s, len(where))
         return req.id
 
     def peer_begin(self, msg: m.PeerBegin) -> int:
@@ -267,7 +293,9 @@ class ShardService:
         entry = self.requests.get(request_id)
         if entry is None or (tenant is not None and entry[0].tenant != tenant):
             return False
-        self.requests.pop(request_id, None)
+        if self.requests.pop(request_id, None) is not None:  # once, though two calls race
+            self.open_requests.give(entry[0].tenant)
+            self.open_leases.give(entry[0].tenant, entry[2])
         self.store.end(entry[0])
         return True
 
@@ -279,7 +307,7 @@ class ShardService:
 
     def expire_requests(self) -> None:
         now = time.monotonic()
-        for rid, (req, deadline) in list(self.requests.items()):
+        for rid, (req, deadline, _) in list(self.requests.items()):
             if deadline < now or req.cancelled:
                 log.warning("shard %s: request %d %s", self.shard_id, rid, "cancelled" if req.cancelled else "expired")
                 self.end_here(rid, None)
@@ -317,6 +345,12 @@ class ShardService:
         p = self.auth.verify(msg.credential)
         self.engines.admit(p.tenant, msg.name, msg.figures)
         self.members.report(msg.name, {**msg.figures, "tenant": p.tenant})
+
+    def open_stats(self) -> dict:
+        """Per kind, what each tenant keeps open here (requests, their leases, reservations), the
+        cap and how many asks it refused."""
+        return {"requests": self.open_requests.stats(), "leases": self.open_leases.stats(),
+                "reservations": self.open_reservations.stats()}
 
     def free_pages(self) -> int:
         """Of this shard's DRAM tier (placement: a node without room spills to one with room)."""

@@ -38,33 +38,53 @@ class Writes:
         if s.placement.spill(len(msg.sizes)) is not None:
             return {"full": True}  # this node would evict to take them while another has room
         raw = dict(zip(where, msg.keys))
+        s.open_reservations.take(p.tenant)  # its tenant's cap first: a refused reserve holds nothing
         try:
             hid, places = s.store.reserve(where, list(msg.sizes), p.tenant, shared=msg.shared,
                                           first_position=msg.first_position,
                                           request=s.joined_request(msg.request_id, p.tenant))
         except PoolFull:
+            s.open_reservations.give(p.tenant)
             return {"full": True}
-        s.reserved[hid] = [pl.key for pl in places]  # what its commit publishes
+        except BaseException:
+            s.open_reservations.give(p.tenant)
+            raise
+        if not hid:  # nothing to copy (all stored already, or no room for its chain): nothing held
+            s.open_reservations.give(p.tenant)
+        else:
+            s.reserved[hid] = (p.tenant, [pl.key for pl in places])  # what its commit publishes
         return {"hold": hid, "places": [[raw[pl.key], pl.offset, pl.nbytes] for pl in places]}
 
     def commit(self, msg: m.Commit) -> int:
         """The copies are done: the chunks are findable on this node now, listed in the index just after."""
         s = self.s
-        if s.store.hold_owner(msg.hold) != s.who(msg.credential).tenant:
+        tenant = s.who(msg.credential).tenant
+        if not msg.hold and not msg.checksums:
+            return 0  # a reservation of nothing (kvpool.store: hold 0)
+        if s.store.hold_owner(msg.hold) != tenant:
             raise ReservationGone(f"no reservation {msg.hold} of this caller: it was committed, aborted or expired")
         n = s.store.commit(msg.hold, msg.checksums)
-        s.publisher.enqueue(s.reserved.pop(msg.hold, [])[:n])
+        s.publisher.enqueue(self._closed(msg.hold)[:n])
         return n
 
     def abort(self, msg: m.Abort) -> None:
         s = self.s
         if s.store.hold_owner(msg.hold) == s.who(msg.credential).tenant:
             s.store.abort(msg.hold)
-            s.reserved.pop(msg.hold, None)
+            self._closed(msg.hold)
 
     def expire_reservations(self) -> None:
-        for hid in [h for h in self.s.reserved if self.s.store.hold_owner(h) is None]:
-            self.s.reserved.pop(hid, None)  # expired uncommitted
+        for hid in [h for h in list(self.s.reserved) if self.s.store.hold_owner(h) is None]:
+            self._closed(hid)  # expired uncommitted
+
+    def _closed(self, hid: int) -> list:
+        """A reservation ended (committed, aborted, expired): its tenant's count given back once;
+        the addresses its commit publishes."""
+        entry = self.s.reserved.pop(hid, None)
+        if entry is None:
+            return []
+        self.s.open_reservations.give(entry[0])
+        return entry[1]
 
     def stage(self, msg: m.Stage, conn: dict, directory: str, page_bytes: int) -> dict:
         """The connection's staging file (kvpool.node.staging), made on first ask for a verified

@@ -203,6 +203,7 @@ class Shard:
         st["fenced"] = self.fenced
         st["node_socket"] = self.node.info["socket"] if getattr(self, "node", None) else None
         st["staging"] = self.service.writes.room.stats()  # engines' staging files here; those refused
+        st["open"] = self.service.open_stats()  # what each tenant keeps open here, against its caps
         return st
 
     def pool_stats(self) -> dict:

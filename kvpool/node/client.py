@@ -31,7 +31,7 @@ import numpy as np
 from kvpool.auth import CREDENTIAL_ENV, claimed_tenant, scope_tag, scoped
 from kvpool.buffers import as_byte_array
 from kvpool.checksum import copy_with_checksum
-from kvpool.errors import ChunkTooLarge, KvPoolError, Unavailable
+from kvpool.errors import ChunkTooLarge, KvPoolError, LimitExceeded, Unavailable
 from kvpool.index.base import PrefixHit
 from kvpool.keys import ChunkKey, is_shared
 from kvpool.node import messages as m
@@ -138,6 +138,11 @@ class NodeClient(NodeConnection):
         keys = keys[:BATCH]
         try:
             r, _ = self.call(m.Begin(credential, _raw(keys), is_shared(keys), priority))
+        except LimitExceeded as e:  # the tenant's cap of requests in flight on its node: served unleased
+            self.counts["begin_refused"] += 1
+            if self.counts["begin_refused"] & (self.counts["begin_refused"] - 1) == 0:  # the 1st, 2nd, 4th...
+                log.warning("kvpool: %s (%d requests served without leases so far)", e, self.counts["begin_refused"])
+            return NodeRequest(credential, {}, 0)
         except KvPoolError as e:
             if e.status in RAISED:
                 raise
