@@ -75,6 +75,8 @@ class StoreMachine(RuleBasedStateMachine):
         res = self.s._cache.res
         free = not any(res.leases)  # nothing anywhere holds a page: this write must find room
         room = self.capacity - sum(res.pinned) - (self.depth(parent) if parent is not None else 0)
+        if parent is not None and not self.s.contains(parent, tenant):
+            room = 0  # nothing is stored under a prefix that is gone (it could never be reached)
         if req is not None:  # its chunks stay leased, so in the top tier, beside the parent the write leases
             room = min(room, self.s._cache.tier_pages[0] - sum(res.pinned) - (parent is not None))
         try:
@@ -84,6 +86,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert not free, "a write refused by a pool that holds no lease"
             stored = [self.s.contains(k, tenant) for k in keys]
         assert stored == sorted(stored, reverse=True), stored  # a leading run, never a gap
+        assert room or not any(stored), "stored under a prefix that is gone"
         if free and self.s.config.policy != "density-admit":  # (it may decline a request on purpose)
             assert sum(stored) >= min(n, room), (sum(stored), n, room)  # what fits is stored
         self.sizes.update((bytes(k), m) for k, m in zip(keys, sizes))

@@ -64,6 +64,20 @@ def test_a_prompt_longer_than_the_pool_stores_what_fits_and_every_tenant_writes_
     settled(s)
 
 
+def test_a_long_prompt_saved_step_by_step_keeps_its_leading_chunks():
+    """An engine saves a prompt's chunks as each step computes them, each save under the one
+    before. Past the pool's size a save stores nothing: not under a prefix that is gone either
+    (its chunks could never be reached, and would have evicted the prompt's leading chunks)."""
+    s = store(8)
+    keys, data = chunks(16, seed=21)
+    assert s.put_many(keys[:6], data[:6], "a") == [True] * 6
+    assert s.put_many(keys[6:10], data[6:10], "a", parent=keys[5]) == [True, True, False, False]
+    assert s.put_many(keys[10:16], data[10:16], "a", parent=keys[9]) == [False] * 6
+    assert s.contains_many(keys, "a") == [True] * 8 + [False] * 8
+    assert s.tenants.usage("a") == 8 * PAGE
+    settled(s)
+
+
 def test_an_over_long_write_cancels_no_other_tenants_request():
     s = store(16)
     k, d = chunks(2, seed=5)

@@ -70,6 +70,8 @@ class HoldsMixin:
         _check_request(request)
         cache = self._cache
         with self._lock:
+            if parent is not None and self._visible(cache.index.get(parent), t_idx) is None:
+                return 0, []  # its prefix is gone: a suffix without it is unreachable
             new_bytes = sum(n for k, n in zip(keys, sizes) if k not in cache.index)
             try:
                 self.tenants.charge(t_idx, new_bytes)

@@ -38,9 +38,9 @@ class WritesMixin:
 
         The quota is charged for the whole batch first: a 429 leaves the store as it was. The
         policy may decline a chunk (then nothing after it is stored: a suffix without its prefix
-        is unreachable). When nothing can be evicted, the lowest-priority request in flight is
-        cancelled (RequestCancelled, 429, to its owner); with no request in flight it is a 507
-        naming the pool's sizes. Either keeps the chunks stored before it, which are valid, and
+        is unreachable; nothing is stored under a ``parent`` no longer there either). When nothing
+        can be evicted, the lowest-priority request in flight is cancelled (RequestCancelled, 429,
+        to its owner); with no request in flight it is a 507 naming the pool's sizes. Either keeps the chunks stored before it, which are valid, and
         refunds the rest. A prompt longer than the pool (every tier together; the DRAM tier for
         chunks that stay leased) stops where it no longer fits, its leading chunks stored, and
         cancels no request for it. Chunks written for a ``request`` stay leased until it ends.
@@ -62,8 +62,8 @@ class WritesMixin:
             if len(set(keys)) != len(keys):
                 raise BadRequest("put_many got the same key twice: keys of one prompt are all distinct")
             new_bytes = sum(s.shape[0] for k, s in zip(keys, srcs) if k not in cache.index)
-            if new_bytes == 0:
-                return stored
+            if new_bytes == 0 or (parent is not None and self._visible(cache.index.get(parent), t_idx) is None):
+                return stored  # nothing new; or its prefix is gone: a suffix without it is unreachable
             try:
                 self.tenants.charge(t_idx, new_bytes)
             except QuotaExceeded:
