@@ -4,6 +4,7 @@ One server for the module (``python -m vllm.entrypoints.openai.api_server``, vll
 tiny Llama, vLLM's own prefix cache on) with KVPoolConnector on a secured in-process pool (a
 pool secret in a file) serving tenants ``acme`` (its request secret derived from its credential)
 and ``globex`` (an explicit ``request_secret``). API users send the secret as ``cache_salt``.
+The pool (15 MiB) is smaller than the longest prompt the server takes.
 
 What the HTTP answers show: ``usage.prompt_tokens_details.cached_tokens`` (vLLM's own prefix-cache
 hits plus the pool's) and the server's ``/metrics`` counter
@@ -40,6 +41,11 @@ ACME = request_secret(Authority(POOL_SECRET).issue("acme"))  # what the operator
 GLOBEX = "globex-request-secret-0042"
 CHUNK = 64
 WHOLE = 4 * CHUNK  # a 300-token prompt's whole chunks
+# A prompt whose KV is more than the pool holds: 140 whole chunks of 2 KV heads' slices of 64 KiB
+# each (280 pages) where the pool's 15 MiB hold 240 (not a whole number of vLLM's steps of 2048
+# tokens: the save that outgrows the pool has stored some of its chunks first).
+LONG = 9000
+POOL_MIB = 15
 # Every way a user who is not acme might try to reach acme's prefixes.
 OTHERS = {
     "globex": {"cache_salt": GLOBEX},
@@ -55,7 +61,7 @@ class Server:
         secret_file = workdir / "pool-secret"
         secret_file.write_text(POOL_SECRET)
         secret_file.chmod(0o600)
-        pool = {"backend": "local", "pool": "server-tenants", "chunk_tokens": CHUNK, "dram_mib": 16,
+        pool = {"backend": "local", "pool": "server-tenants", "chunk_tokens": CHUNK, "dram_mib": POOL_MIB,
                 "secret_file": str(secret_file), "tenant": "default",
                 "tenants": ["default", "acme", {"id": "globex", "request_secret": GLOBEX}],
                 "breakeven_margin": 0.0}  # always load a pool hit: this module tests who hits, not when to load
@@ -72,7 +78,7 @@ class Server:
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                "--distributed-executor-backend", "uni",
                "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
-               "--max-model-len", "1024", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--max-model-len", str(LONG + 64), "--enable-prefix-caching", "--enable-prompt-tokens-details",
                "--uvicorn-log-level", "warning", "--kv-transfer-config", json.dumps(kv_transfer_config(**pool))]
         self.log_path = workdir / "server.log"
         self._log = open(self.log_path, "w")
@@ -146,7 +152,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("vllm-server")
-    s = Server(save_tiny_llama(workdir / "model", seed=0), workdir)
+    s = Server(save_tiny_llama(workdir / "model", seed=0, max_position_embeddings=2 * LONG), workdir)
     yield s
     s.close()
 
@@ -202,3 +208,20 @@ def test_the_server_log_says_what_was_refused_without_the_secrets(server):
     # NOTE: vLLM echoes its kv_transfer_config, globex's explicit request_secret included (a reason to
     # derive request secrets from credentials in a credentials_file); nothing else shows it
     assert GLOBEX not in "\n".join(ln for ln in log.splitlines() if "kv_connector_extra_config" not in ln)
+
+
+def test_a_prompt_longer_than_the_pool_saves_what_fits_and_other_tenants_save_and_load_on(server):
+    """Once, such a prompt's save filled the pool with chunks nothing could evict, and every later
+    save of every tenant failed (507) for good."""
+    long = random_prompt(LONG, seed=40)
+    assert server.complete(long, cache_salt=ACME) == (0, {"device": 0, "host": 0})
+    for salt, seed in ((GLOBEX, 41), (ACME, 42)):  # the next requests, of another tenant and of acme
+        prompt = random_prompt(300, seed=seed)
+        server.complete(prompt, cache_salt=salt)
+        server.reset_local_prefix_cache()
+        assert server.complete(prompt, cache_salt=salt) == (WHOLE, {"device": 0, "host": WHOLE}), salt
+    server.reset_local_prefix_cache()
+    cached, by = server.complete(long, cache_salt=ACME)
+    assert by["device"] == 0 and cached == by["host"]
+    assert 64 * CHUNK <= by["host"] < LONG // CHUNK * CHUNK, by  # its leading chunks: what the pool held
+    assert "[507]" not in server.log() and "save of request" not in server.log()
