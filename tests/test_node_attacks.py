@@ -11,7 +11,7 @@ import os
 import stat
 
 import pytest
-from conftest import cluster_pool, make_keys, payload
+from conftest import cluster_pool, make_keys, payload, wait_for
 
 from kvpool.auth import Authority, new_secret
 from kvpool.cluster.peers import StreamTransport
@@ -86,7 +86,8 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
             with pytest.raises(Unavailable):
                 links.call(peer, msg, [payload(1, PAGE)] if msg.PAYLOADS else ())
         links.close()
-    assert c.shard_stats()["peer_refused_connections"] == refused + 15
+    # counted by the port's connection threads once the dialer hung up: waited for, not raced
+    wait_for(lambda: c.shard_stats()["peer_refused_connections"] == refused + 15, 10, what="15 openings refused")
     # the opening is checked before any header is read: a huge announced header is never allocated
     import socket as sk
     import struct
@@ -98,7 +99,7 @@ def test_the_peer_port_serves_only_the_pools_own_processes(pool):
             assert s.recv(1) == b""  # closed
         except ConnectionResetError:  # closed with our bytes unread
             pass
-    assert c.shard_stats()["peer_refused_connections"] == refused + 16
+    wait_for(lambda: c.shard_stats()["peer_refused_connections"] == refused + 16, 10, what="the 16th refused")
     links = StreamTransport(AUTH.pool_credential())
     try:
         assert get(links, BOB) == []  # bob's scope: nothing
