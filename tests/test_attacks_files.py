@@ -132,8 +132,9 @@ def test_a_credentials_file_others_can_read_is_refused(tmp_path):
 
 def test_another_user_reads_a_file_kvpool_would_refuse_and_none_kvpool_writes(open_dir):
     """The attack, then the defence: as ``nobody`` a 0644 secret file is read (so kvpool refuses
-    it); the secret ``kvpool auth init`` writes and the credentials ``kvpool connect`` writes (over
-    an old world-readable file too) are not readable by ``nobody``, and are used."""
+    it); ``kvpool connect`` refuses to add to an old world-readable credentials file (naming the
+    chmod); the secret ``kvpool auth init`` writes and the credentials ``kvpool connect`` writes are
+    not readable by ``nobody``, and are used."""
     tmp_path = open_dir
     loose = written(tmp_path / "loose-secret", new_secret(), 0o644)
     assert as_nobody("/bin/cat", loose).returncode == 0  # readable: kvpool must not use it
@@ -145,9 +146,13 @@ def test_another_user_reads_a_file_kvpool_would_refuse_and_none_kvpool_writes(op
     assert r.returncode == 0, r.stderr
     creds = tmp_path / "kvpool" / "credentials.json"
     creds.write_text("{}")
-    creds.chmod(0o644)  # an old file of the same name, world-readable
-    r = kvpool_cli(tmp_path, "connect", "vllm", "--tenant", "acme", "--secret-file", str(secret),
-                   "--credentials-file", str(creds), "--degraded")  # no pool here: nothing to check with
+    creds.chmod(0o644)  # an old file of the same name, world-readable: refused, left as it is
+    args = ("connect", "vllm", "--tenant", "acme", "--secret-file", str(secret), "--credentials-file", str(creds),
+            "--degraded")  # no pool here: nothing to check with
+    r = kvpool_cli(tmp_path, *args)
+    assert r.returncode == 2 and f"chmod 600 {creds}" in r.stderr and creds.read_text() == "{}", r.stderr
+    creds.chmod(0o600)
+    r = kvpool_cli(tmp_path, *args)
     assert r.returncode == 0, r.stderr
     for path in (secret, creds):
         assert path.stat().st_mode & 0o777 == 0o600, path
