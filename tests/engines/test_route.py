@@ -33,7 +33,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import need_engines
+from conftest import need_engines, wait_for
 
 need_engines("vllm")
 
@@ -176,13 +176,20 @@ def test_an_instance_killed_mid_workload_fails_only_what_it_was_streaming(bed):
     assert [i["downs"] for i in state(router)["instances"]] == [0, 0]  # neither was ever marked down
     for t in threads:
         t.start()
-    time.sleep(4)
     victim = bed.servers[1]
     victim_url = f"http://127.0.0.1:{victim.port}"
-    streaming = state(router)["instances"][1]["inflight"]
+    # killed once it has answered and is serving again (events, not a timer)
+    wait_for(lambda: any(r[1] == "ok" and r[2] == victim_url for r in results[:])
+             and state(router)["instances"][1]["inflight"] > 0, 120, interval_s=0.02,
+             what="the victim to have answered and to be serving a request")
+    before_kill = state(router)["instances"][1]["inflight"]
     killed_at = time.monotonic()
     os.killpg(victim.proc.pid, signal.SIGKILL)  # the server and its engine processes, at once
-    time.sleep(6)
+    # read again after the kill: a request the router sent it between the first read and the kill
+    # is counted too (its failure shows only once the dead process's sockets close, later)
+    streaming = max(before_kill, state(router)["instances"][1]["inflight"])
+    wait_for(lambda: sum(r[0] > killed_at for r in results[:]) >= 6, 180,
+             what="six requests started after the kill to end")
     stop.set()
     for t in threads:
         t.join(120)
